@@ -1,0 +1,42 @@
+# The torch module hipferry._C. Links only torch's device-generic libraries
+# (c10, torch_cpu): no torch GPU headers or libraries (design principle 3), so
+# one source builds against many torch, ROCm and CUDA versions.
+
+execute_process(
+  COMMAND "${HIPFERRY_PYTHON}" -c
+    "import os, torch; d = os.path.dirname(torch.__file__); print(os.path.join(d, 'include') + ';' + os.path.join(d, 'lib') + ';' + str(int(torch._C._GLIBCXX_USE_CXX11_ABI)))"
+  OUTPUT_VARIABLE _torch_paths OUTPUT_STRIP_TRAILING_WHITESPACE COMMAND_ERROR_IS_FATAL ANY)
+list(GET _torch_paths 0 HIPFERRY_TORCH_INCLUDE)
+list(GET _torch_paths 1 HIPFERRY_TORCH_LIB)
+list(GET _torch_paths 2 HIPFERRY_TORCH_CXX11_ABI)
+
+add_library(hipferry_torch INTERFACE)
+target_include_directories(hipferry_torch SYSTEM INTERFACE "${HIPFERRY_TORCH_INCLUDE}")
+target_compile_definitions(hipferry_torch INTERFACE _GLIBCXX_USE_CXX11_ABI=${HIPFERRY_TORCH_CXX11_ABI})
+foreach(lib c10 torch_cpu torch)
+  find_library(HIPFERRY_LIB_${lib} ${lib} PATHS "${HIPFERRY_TORCH_LIB}" NO_DEFAULT_PATH REQUIRED)
+  target_link_libraries(hipferry_torch INTERFACE "${HIPFERRY_LIB_${lib}}")
+endforeach()
+
+execute_process(COMMAND "${HIPFERRY_PYTHON}" -m pybind11 --cmakedir
+                OUTPUT_VARIABLE pybind11_DIR OUTPUT_STRIP_TRAILING_WHITESPACE
+                COMMAND_ERROR_IS_FATAL ANY)
+set(PYBIND11_FINDPYTHON ON)
+set(Python_EXECUTABLE "${HIPFERRY_PYTHON}")
+find_package(pybind11 CONFIG REQUIRED)
+
+pybind11_add_module(_C MODULE
+  csrc/torch/ops.cpp
+  csrc/torch/copy_cast_checks.cpp
+  csrc/torch/copy_cast_cpu.cpp
+  csrc/torch/python_module.cpp)
+if(NOT HIPFERRY_RESOLVED_TARGET STREQUAL "cpu")
+  target_sources(_C PRIVATE csrc/torch/copy_cast_gpu.cpp csrc/torch/current_stream.cpp)
+endif()
+target_include_directories(_C PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/csrc)
+target_link_libraries(_C PRIVATE hipferry_runtime hipferry_torch)
+target_compile_definitions(_C PRIVATE HIPFERRY_TORCH_VERSION="${HIPFERRY_TORCH_VERSION}")
+target_compile_options(_C PRIVATE -Wall -Wextra -Wno-unused-parameter)
+if(HIPFERRY_OUTPUT_DIR)  # setup.py puts the module where setuptools packages it
+  set_target_properties(_C PROPERTIES LIBRARY_OUTPUT_DIRECTORY "${HIPFERRY_OUTPUT_DIR}")
+endif()

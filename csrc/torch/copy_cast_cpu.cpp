@@ -1,0 +1,50 @@
+// copy_cast_ on the CPU (both tensors in host memory) and its Meta kernel
+// (shape/dtype checks only, used by torch.compile's fake tensors).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <cstring>
+
+#include "core/copy_cast_cpu.h"
+#include "torch/copy_cast_checks.h"
+
+namespace hipferry {
+namespace {
+
+// Elements per task: big enough that thread start-up is amortised, small
+// enough that a few MiB already use every core.
+constexpr int64_t kGrainElements = 1 << 16;
+
+void copy_cast_cpu_kernel(at::Tensor& dst, const at::Tensor& src) {
+  check_copy_cast_args(dst, src);
+  TORCH_CHECK(dst.is_cpu() && src.is_cpu(), "hipferry.copy_cast_: CPU kernel called with dst on ",
+              dst.device(), " and src on ", src.device());
+  if (dst.numel() == 0 || copy_cast_is_noop(dst, src)) return;
+  if (dst.scalar_type() == src.scalar_type()) {
+    // Any dtype: a parallel byte copy.
+    auto* d = static_cast<char*>(dst.data_ptr());
+    const auto* s = static_cast<const char*>(src.data_ptr());
+    const int64_t bytes = dst.nbytes();
+    at::parallel_for(0, bytes, kGrainElements * 4, [&](int64_t begin, int64_t end) {
+      std::memcpy(d + begin, s + begin, end - begin);
+    });
+    return;
+  }
+  const ElementType st = element_type_of(src);
+  const ElementType dt = element_type_of(dst);
+  const void* s = src.data_ptr();
+  void* d = dst.data_ptr();
+  at::parallel_for(0, dst.numel(), kGrainElements, [&](int64_t begin, int64_t end) {
+    copy_cast_cpu(s, st, d, dt, begin, end);
+  });
+}
+
+void copy_cast_meta_kernel(at::Tensor& dst, const at::Tensor& src) { check_copy_cast_args(dst, src); }
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(hipferry, CPU, m) { m.impl("copy_cast_", &copy_cast_cpu_kernel); }
+TORCH_LIBRARY_IMPL(hipferry, Meta, m) { m.impl("copy_cast_", &copy_cast_meta_kernel); }
+
+}  // namespace hipferry

@@ -1,0 +1,74 @@
+// copy_cast_ when either tensor is on the GPU: ONE kernel on the current torch
+// stream that reads the source where it lies (device memory, or pinned host
+// memory mapped into the device) and writes the converted value where dst lies.
+// Equal dtypes use one async copy on the same stream (the copy engine).
+//
+// Like a non_blocking copy, the work is ordered on the current stream: the
+// caller keeps both tensors alive until the stream has passed it, and
+// synchronizes before reading a host dst.
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include "copy_cast_kernel.h"
+#include "runtime.h"
+#include "torch/copy_cast_checks.h"
+#include "torch/current_stream.h"
+
+namespace hipferry {
+namespace {
+
+// Device-visible address of a tensor's data. Host tensors must be page-locked
+// and mapped; the address is always asked of the runtime, never assumed.
+void* device_address(const at::Tensor& t, const char* name, int device) {
+  if (!t.is_cpu()) return t.data_ptr();
+  void* base = t.storage().mutable_data();
+  void* mapped = nullptr;
+  try {
+    mapped = rt::host_device_pointer(base);
+  } catch (const rt::Error& e) {
+    TORCH_CHECK(false, "hipferry.copy_cast_: ", name,
+                " is pageable host memory (not page-locked and mapped into device ", device,
+                "); expected pinned memory: use hipferry's pool, tensor.pin_memory(), or a plain "
+                ".to() for pageable tensors. Runtime said: ", e.what());
+  }
+  const auto offset = static_cast<char*>(t.data_ptr()) - static_cast<char*>(base);
+  return static_cast<char*>(mapped) + offset;
+}
+
+void copy_cast_gpu_kernel(at::Tensor& dst, const at::Tensor& src) {
+  check_copy_cast_args(dst, src);
+  TORCH_CHECK(dst.is_cuda() || dst.is_cpu(), "hipferry.copy_cast_: dst must be on the CPU or a GPU, got ",
+              dst.device());
+  TORCH_CHECK(src.is_cuda() || src.is_cpu(), "hipferry.copy_cast_: src must be on the CPU or a GPU, got ",
+              src.device());
+  const int device = current_torch_device();
+  for (const at::Tensor* t : {&dst, &src}) {
+    TORCH_CHECK(!t->is_cuda() || t->device().index() == device, "hipferry.copy_cast_: ",
+                t == &dst ? "dst" : "src", " is on ", t->device(), " but the current device is cuda:",
+                device, "; expected tensors on the current device (use torch.cuda.device(...) or "
+                "torch.cuda.set_device)");
+  }
+  if (dst.numel() == 0 || copy_cast_is_noop(dst, src)) return;
+
+  // Resolve both addresses before launching, so a rejected host tensor leaves dst untouched.
+  void* d = device_address(dst, "dst", device);
+  const void* s = device_address(src, "src", device);
+  const rt::StreamHandle stream = current_torch_stream(device);
+  try {
+    if (dst.scalar_type() == src.scalar_type()) {
+      rt::memcpy_async(d, s, dst.nbytes(), stream);
+    } else {
+      gpu::launch_copy_cast(s, element_type_of(src), d, element_type_of(dst), dst.numel(), stream,
+                            device);
+    }
+  } catch (const rt::Error& e) {
+    TORCH_CHECK(false, e.what());
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(hipferry, CUDA, m) { m.impl("copy_cast_", &copy_cast_gpu_kernel); }
+
+}  // namespace hipferry

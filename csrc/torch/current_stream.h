@@ -1,0 +1,13 @@
+// The current torch GPU stream and device WITHOUT torch's GPU headers (design
+// principle 3): through c10's device-generic guard interface. ROCm builds of
+// torch call their device "cuda" too, so DeviceType::CUDA is right for both.
+#pragma once
+
+#include "runtime.h"
+
+namespace hipferry {
+
+int current_torch_device();                           // torch.cuda.current_device()
+rt::StreamHandle current_torch_stream(int device);   // torch.cuda.current_stream(device)
+
+}  // namespace hipferry

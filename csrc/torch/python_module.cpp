@@ -1,0 +1,121 @@
+// hipferry._C: importing it registers the ops (static TORCH_LIBRARY blocks);
+// the functions below expose the runtime layer to `python -m hipferry doctor`.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <new>
+#include <vector>
+
+#include "core/copy_cast_cpu.h"
+#include "runtime.h"
+
+namespace py = pybind11;
+using namespace hipferry;
+
+namespace {
+
+py::dict build_info() {
+  const rt::BuildInfo b = rt::build_info();
+  py::dict d;
+  d["target"] = b.platform;
+  d["architectures"] = b.architectures;
+  d["runtime_version"] = b.runtime_version;
+  d["driver_version"] = b.driver_version;
+  d["torch_version_built_against"] = HIPFERRY_TORCH_VERSION;
+  d["cpu_f16c"] = copy_cast_cpu_uses_f16c();
+  return d;
+}
+
+py::dict device_info(int device) {
+  const rt::DeviceInfo i = rt::device_info(device);
+  py::dict d;
+  d["index"] = i.index;
+  d["name"] = i.name;
+  d["arch"] = i.arch;
+  d["total_memory"] = i.total_memory;
+  d["free_memory"] = i.free_memory;
+  d["multiprocessors"] = i.multiprocessors;
+  d["can_map_host_memory"] = i.can_map_host_memory;
+  d["unified_addressing"] = i.unified_addressing;
+  return d;
+}
+
+// Page-locked host memory from host_alloc or host_register, freed on scope exit.
+class PinnedBuffer {
+ public:
+  PinnedBuffer(std::size_t bytes, unsigned flags, bool use_register) : registered_(use_register) {
+    if (use_register) {
+      ptr_ = std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096);
+      if (ptr_ == nullptr) throw std::bad_alloc();
+      try {
+        rt::host_register(ptr_, bytes, flags);
+      } catch (...) {
+        std::free(ptr_);
+        throw;
+      }
+    } else {
+      ptr_ = rt::host_alloc(bytes, flags);
+    }
+  }
+  ~PinnedBuffer() {
+    try {
+      if (registered_) {
+        rt::host_unregister(ptr_);
+        std::free(ptr_);
+      } else {
+        rt::host_free(ptr_);
+      }
+    } catch (...) {
+    }
+  }
+  void* get() const { return ptr_; }
+
+ private:
+  bool registered_;
+  void* ptr_ = nullptr;
+};
+
+// Pins `bytes` of host memory with `flags`, writes a pattern, asks the runtime
+// for its device address, copies it device-ward through that address and back,
+// and compares. Raises what failed.
+py::dict check_host_memory(int device, std::size_t bytes, unsigned flags, bool use_register) {
+  bool round_trip_ok = false;
+  bool same_address = false;
+  {
+    py::gil_scoped_release no_gil;
+    std::vector<unsigned char> pattern(bytes), back(bytes, 0);
+    for (std::size_t i = 0; i < bytes; ++i) pattern[i] = static_cast<unsigned char>(i * 131 + 7);
+    PinnedBuffer host(bytes, flags, use_register);
+    std::memcpy(host.get(), pattern.data(), bytes);
+    void* mapped = rt::host_device_pointer(host.get());
+    same_address = mapped == host.get();
+    void* dev = rt::device_alloc(bytes, device);
+    try {
+      rt::memcpy_sync(dev, mapped, bytes);
+      rt::memcpy_sync(back.data(), dev, bytes);
+    } catch (...) {
+      rt::device_free(dev, device);
+      throw;
+    }
+    rt::device_free(dev, device);
+    round_trip_ok = std::memcmp(back.data(), pattern.data(), bytes) == 0;
+  }
+  py::dict result;
+  result["round_trip_ok"] = round_trip_ok;
+  result["device_address_equals_host_address"] = same_address;
+  return result;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "hipferry native module: ops are under torch.ops.hipferry";
+  py::register_exception<rt::Error>(m, "RuntimeLayerError", PyExc_RuntimeError);
+  m.def("build_info", &build_info, "What this binary was built for.");
+  m.def("device_count", &rt::device_count, "GPU devices visible to the runtime (0 without).");
+  m.def("device_info", &device_info, py::arg("device"));
+  m.def("check_host_memory", &check_host_memory, py::arg("device"), py::arg("bytes"),
+        py::arg("flags"), py::arg("use_register") = false);
+}

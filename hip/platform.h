@@ -1,0 +1,94 @@
+// hipferry's ONLY vendor switch. Every AMD/NVIDIA difference lives here; the
+// rest of the tree writes HIP names and compiles for both.
+//
+// AMD (HIPFERRY_PLATFORM_CUDA undefined): the HIP runtime itself.
+// NVIDIA (CMake defines HIPFERRY_PLATFORM_CUDA): the CUDA runtime, with the
+// few hip* names hipferry uses mapped onto it. Every name below is used by
+// tests/cpp/platform_names_test.hip, compiled for both vendors in CI, so the
+// list cannot grow without a test.
+#pragma once
+
+#if !defined(HIPFERRY_PLATFORM_CUDA)
+
+#include <hip/hip_runtime.h>
+
+#define HIPFERRY_PLATFORM_NAME "rocm"
+// HIP reports the gfx target directly, e.g. "gfx90a:sramecc+:xnack-".
+inline const char* hipferry_arch_name(const hipDeviceProp_t& p, char*, int) {
+  return p.gcnArchName;
+}
+
+#else  // NVIDIA
+
+#include <cstdio>
+#include <cuda_runtime.h>
+
+#define HIPFERRY_PLATFORM_NAME "cuda"
+
+// Errors and versions.
+using hipError_t = cudaError_t;
+#define hipSuccess cudaSuccess
+#define hipErrorNotReady cudaErrorNotReady
+#define hipErrorNoDevice cudaErrorNoDevice
+#define hipGetErrorName cudaGetErrorName
+#define hipGetErrorString cudaGetErrorString
+#define hipGetLastError cudaGetLastError
+#define hipRuntimeGetVersion cudaRuntimeGetVersion
+#define hipDriverGetVersion cudaDriverGetVersion
+
+// Devices.
+using hipDeviceProp_t = cudaDeviceProp;
+#define hipGetDeviceCount cudaGetDeviceCount
+#define hipGetDevice cudaGetDevice
+#define hipSetDevice cudaSetDevice
+#define hipGetDeviceProperties cudaGetDeviceProperties
+#define hipMemGetInfo cudaMemGetInfo
+#define hipDeviceSynchronize cudaDeviceSynchronize
+
+// Streams and events.
+using hipStream_t = cudaStream_t;
+using hipEvent_t = cudaEvent_t;
+#define hipStreamNonBlocking cudaStreamNonBlocking
+#define hipStreamCreateWithFlags cudaStreamCreateWithFlags
+#define hipStreamDestroy cudaStreamDestroy
+#define hipStreamSynchronize cudaStreamSynchronize
+#define hipStreamQuery cudaStreamQuery
+#define hipStreamWaitEvent cudaStreamWaitEvent
+#define hipEventDefault cudaEventDefault
+#define hipEventDisableTiming cudaEventDisableTiming
+#define hipEventCreateWithFlags cudaEventCreateWithFlags
+#define hipEventDestroy cudaEventDestroy
+#define hipEventRecord cudaEventRecord
+#define hipEventQuery cudaEventQuery
+#define hipEventSynchronize cudaEventSynchronize
+#define hipEventElapsedTime cudaEventElapsedTime
+
+// Memory. Coherence and NUMA flags are AMD-only; on NVIDIA they are no-ops.
+#define hipHostMallocDefault cudaHostAllocDefault
+#define hipHostMallocPortable cudaHostAllocPortable
+#define hipHostMallocMapped cudaHostAllocMapped
+#define hipHostMallocWriteCombined cudaHostAllocWriteCombined
+#define hipHostMallocNumaUser 0u
+#define hipHostMallocCoherent 0u
+#define hipHostMallocNonCoherent 0u
+#define hipHostMalloc cudaHostAlloc
+#define hipHostFree cudaFreeHost
+#define hipHostRegisterDefault cudaHostRegisterDefault
+#define hipHostRegisterPortable cudaHostRegisterPortable
+#define hipHostRegisterMapped cudaHostRegisterMapped
+#define hipHostRegister cudaHostRegister
+#define hipHostUnregister cudaHostUnregister
+#define hipHostGetDevicePointer cudaHostGetDevicePointer
+#define hipMalloc cudaMalloc
+#define hipFree cudaFree
+#define hipMemcpy cudaMemcpy
+#define hipMemcpyAsync cudaMemcpyAsync
+#define hipMemcpyDefault cudaMemcpyDefault
+
+// CUDA reports compute capability; name it like the compiler does ("sm_90").
+inline const char* hipferry_arch_name(const hipDeviceProp_t& p, char* buf, int len) {
+  std::snprintf(buf, len, "sm_%d%d", p.major, p.minor);
+  return buf;
+}
+
+#endif
