@@ -16,8 +16,8 @@ endfunction()
 
 if(HIPFERRY_RESOLVED_TARGET STREQUAL "rocm")
   if(NOT CMAKE_CXX_COMPILER_ID MATCHES "Clang")
-    message(FATAL_ERROR "hipferry: the rocm target compiles with hipcc (a Clang), but the C++ "
-                        "compiler is ${CMAKE_CXX_COMPILER}. Configure with CXX=hipcc.")
+    message(FATAL_ERROR "hipferry: the rocm target compiles with ROCm's Clang, but the C++ "
+                        "compiler is ${CMAKE_CXX_COMPILER}. Configure with CXX=/opt/rocm/llvm/bin/clang++.")
   endif()
   if(HIPFERRY_ROCM_ARCHS)
     set(_archs "${HIPFERRY_ROCM_ARCHS}")
@@ -31,8 +31,24 @@ if(HIPFERRY_RESOLVED_TARGET STREQUAL "rocm")
   # Debian installs hip-config.cmake under the multiarch dir; ROCm under /opt/rocm.
   find_package(hip REQUIRED CONFIG PATHS /opt/rocm /usr/lib/x86_64-linux-gnu/cmake/hip)
   set(HIPFERRY_GPU_ARCHITECTURES "${_archs}")
+  # ROCm's own Clang finds the HIP headers and device libraries by itself; a
+  # distribution Clang (Debian's) is told where they are, as hipcc would.
+  execute_process(COMMAND hipconfig --rocmpath OUTPUT_VARIABLE _rocm_path
+                  OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+  set(HIPFERRY_HIP_FLAGS "")
+  if(_rocm_path)
+    list(APPEND HIPFERRY_HIP_FLAGS "--rocm-path=${_rocm_path}")
+  endif()
+  foreach(_bitcode "${_rocm_path}/amdgcn/bitcode" "${_rocm_path}/lib/${CMAKE_LIBRARY_ARCHITECTURE}/amdgcn/bitcode"
+                   "/usr/lib/x86_64-linux-gnu/amdgcn/bitcode")
+    if(EXISTS "${_bitcode}/ockl.bc")
+      list(APPEND HIPFERRY_HIP_FLAGS "--hip-device-lib-path=${_bitcode}")
+      break()
+    endif()
+  endforeach()
 
   function(hipferry_gpu_sources target)
+    target_compile_options(${target} PRIVATE ${HIPFERRY_HIP_FLAGS})
     set_source_files_properties(${ARGN} PROPERTIES LANGUAGE CXX)
     target_sources(${target} PRIVATE ${ARGN})
     target_link_libraries(${target} PRIVATE hip::device)
@@ -77,8 +93,24 @@ elseif(HIPFERRY_RESOLVED_TARGET STREQUAL "cuda")
   set(CMAKE_CUDA_STANDARD_REQUIRED ON)
   find_package(CUDAToolkit REQUIRED)
   set(HIPFERRY_GPU_ARCHITECTURES "${_archs}")
+  # ROCm's own Clang finds the HIP headers and device libraries by itself; a
+  # distribution Clang (Debian's) is told where they are, as hipcc would.
+  execute_process(COMMAND hipconfig --rocmpath OUTPUT_VARIABLE _rocm_path
+                  OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+  set(HIPFERRY_HIP_FLAGS "")
+  if(_rocm_path)
+    list(APPEND HIPFERRY_HIP_FLAGS "--rocm-path=${_rocm_path}")
+  endif()
+  foreach(_bitcode "${_rocm_path}/amdgcn/bitcode" "${_rocm_path}/lib/${CMAKE_LIBRARY_ARCHITECTURE}/amdgcn/bitcode"
+                   "/usr/lib/x86_64-linux-gnu/amdgcn/bitcode")
+    if(EXISTS "${_bitcode}/ockl.bc")
+      list(APPEND HIPFERRY_HIP_FLAGS "--hip-device-lib-path=${_bitcode}")
+      break()
+    endif()
+  endforeach()
 
   function(hipferry_gpu_sources target)
+    target_compile_options(${target} PRIVATE ${HIPFERRY_HIP_FLAGS})
     set_source_files_properties(${ARGN} PROPERTIES LANGUAGE CUDA)
     target_sources(${target} PRIVATE ${ARGN})
     target_link_libraries(${target} PUBLIC CUDA::cudart)

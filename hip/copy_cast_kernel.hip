@@ -1,10 +1,11 @@
-#include "copy_cast_kernel.h"
+// platform.h first: it defines __host__/__device__ for the core headers.
+#include "platform.h"
 
 #include <algorithm>
 
 #include "../csrc/core/dispatch.h"
 #include "check.h"
-#include "platform.h"
+#include "copy_cast_kernel.h"
 
 namespace hipferry::gpu {
 namespace {

@@ -41,7 +41,6 @@ struct DeviceInfo {
   std::size_t free_memory;     // bytes, at the time of the call
   int multiprocessors;         // CUs on AMD, SMs on NVIDIA
   bool can_map_host_memory;    // pinned host memory readable by kernels
-  bool unified_addressing;     // one address space for host and devices
 };
 
 int device_count();  // 0 when no device (or no driver); never throws for that

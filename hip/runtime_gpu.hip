@@ -60,7 +60,6 @@ DeviceInfo device_info(int device) {
   info.total_memory = p.totalGlobalMem;
   info.multiprocessors = p.multiProcessorCount;
   info.can_map_host_memory = p.canMapHostMemory != 0;
-  info.unified_addressing = p.unifiedAddressing != 0;
   DeviceScope scope(device);
   std::size_t free_bytes = 0, total_bytes = 0;
   HIPFERRY_CHECK_ON(device, hipMemGetInfo(&free_bytes, &total_bytes));

@@ -15,7 +15,6 @@
 #pragma once
 
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 
 #include "host_device.h"
@@ -24,13 +23,13 @@ namespace hipferry {
 
 HIPFERRY_HD std::uint32_t f32_as_bits(float f) {
   std::uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
+  __builtin_memcpy(&u, &f, sizeof u);  // std::memcpy is host-only in HIP
   return u;
 }
 
 HIPFERRY_HD float f32_from_bits(std::uint32_t u) {
   float f;
-  std::memcpy(&f, &u, sizeof f);
+  __builtin_memcpy(&f, &u, sizeof f);
   return f;
 }
 

@@ -1,7 +1,8 @@
 // HIPFERRY_HD marks the element-wise functions that are compiled both for the
 // host (the CPU loops, GoogleTest) and for the device (the HIP/CUDA kernels).
 // This is a compiler check, not a vendor check: hipcc and nvcc both define
-// __host__/__device__, a plain C++ compiler sees an ordinary inline function.
+// __host__/__device__ (GPU sources include hip/platform.h first, which brings
+// them in), a plain C++ compiler sees an ordinary inline function.
 #pragma once
 
 #if defined(__HIPCC__) || defined(__CUDACC__)

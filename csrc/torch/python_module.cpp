@@ -38,7 +38,6 @@ py::dict device_info(int device) {
   d["free_memory"] = i.free_memory;
   d["multiprocessors"] = i.multiprocessors;
   d["can_map_host_memory"] = i.can_map_host_memory;
-  d["unified_addressing"] = i.unified_addressing;
   return d;
 }
 

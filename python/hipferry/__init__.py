@@ -1,0 +1,12 @@
+"""hipferry: overlapped host<->device data movement for PyTorch on ROCm, CUDA and CPU.
+
+Importing hipferry registers its ops under ``torch.ops.hipferry``.
+"""
+import torch  # noqa: F401  (loads libc10/libtorch before the extension)
+
+from . import _C  # noqa: F401  (registers torch.ops.hipferry.*)
+from .ops import copy_cast_
+from .platform import build_info, device_count, device_info
+
+__all__ = ["copy_cast_", "build_info", "device_count", "device_info", "__version__"]
+__version__ = "0.1.0"

@@ -1,0 +1,74 @@
+"""pip entry point: drives CMake (the one build description) to build hipferry._C.
+
+    pip install --no-build-isolation .        # into the environment's torch
+    pip install --no-build-isolation -e .     # editable (development)
+
+Environment:
+    HIPFERRY_TARGET      auto (default: follow torch) | rocm | cuda | cpu
+    PYTORCH_ROCM_ARCH    e.g. "gfx90a;gfx942"   (or HIPFERRY_ROCM_ARCHS)
+    TORCH_CUDA_ARCH_LIST e.g. "8.0;9.0+PTX"    (or HIPFERRY_CUDA_ARCHS)
+    HIPFERRY_BUILD_DIR   CMake build tree (default build/cmake-<python tag>)
+    HIPFERRY_BUILD_TESTS ON to also build the C++ tests there (ctest --test-dir ...)
+    MAX_JOBS             parallel compile jobs
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+
+
+def default_build_dir() -> Path:
+    tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    return ROOT / "build" / f"cmake-{tag}"
+
+
+class CMakeExtension(Extension):
+    def __init__(self, name: str):
+        super().__init__(name, sources=[])
+
+
+class CMakeBuild(build_ext):
+    def build_extension(self, ext: Extension) -> None:
+        out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
+        build_dir = Path(os.environ.get("HIPFERRY_BUILD_DIR", default_build_dir()))
+        build_dir.mkdir(parents=True, exist_ok=True)
+        args = [
+            "cmake", "-S", str(ROOT), "-B", str(build_dir),
+            f"-DHIPFERRY_PYTHON={sys.executable}",
+            f"-DHIPFERRY_OUTPUT_DIR={out_dir}",
+            f"-DHIPFERRY_BUILD_TESTS={os.environ.get('HIPFERRY_BUILD_TESTS', 'OFF')}",
+            "-DCMAKE_BUILD_TYPE=Release",
+        ]
+        if _have("ninja"):
+            args += ["-G", "Ninja"]
+        for var in ("HIPFERRY_TARGET", "HIPFERRY_ROCM_ARCHS", "HIPFERRY_CUDA_ARCHS"):
+            if os.environ.get(var):
+                args.append(f"-D{var}={os.environ[var]}")
+        subprocess.run(args, check=True)
+        jobs = os.environ.get("MAX_JOBS", str(os.cpu_count() or 1))
+        subprocess.run(["cmake", "--build", str(build_dir), "-j", jobs], check=True)
+
+
+def _have(program: str) -> bool:
+    from shutil import which
+    return which(program) is not None
+
+
+setup(
+    name="hipferry",
+    version="0.1.0",
+    description="Overlapped host<->device data movement for PyTorch on ROCm, CUDA and CPU",
+    packages=find_packages("python"),
+    package_dir={"": "python"},
+    ext_modules=[CMakeExtension("hipferry._C")],
+    cmdclass={"build_ext": CMakeBuild},
+    python_requires=">=3.9",
+    install_requires=["torch>=2.4"],
+    extras_require={"bench": ["matplotlib"], "test": ["pytest", "numpy", "expecttest"]},
+    zip_safe=False,
+)
