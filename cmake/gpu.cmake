@@ -93,24 +93,7 @@ elseif(HIPFERRY_RESOLVED_TARGET STREQUAL "cuda")
   set(CMAKE_CUDA_STANDARD_REQUIRED ON)
   find_package(CUDAToolkit REQUIRED)
   set(HIPFERRY_GPU_ARCHITECTURES "${_archs}")
-  # ROCm's own Clang finds the HIP headers and device libraries by itself; a
-  # distribution Clang (Debian's) is told where they are, as hipcc would.
-  execute_process(COMMAND hipconfig --rocmpath OUTPUT_VARIABLE _rocm_path
-                  OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
-  set(HIPFERRY_HIP_FLAGS "")
-  if(_rocm_path)
-    list(APPEND HIPFERRY_HIP_FLAGS "--rocm-path=${_rocm_path}")
-  endif()
-  foreach(_bitcode "${_rocm_path}/amdgcn/bitcode" "${_rocm_path}/lib/${CMAKE_LIBRARY_ARCHITECTURE}/amdgcn/bitcode"
-                   "/usr/lib/x86_64-linux-gnu/amdgcn/bitcode")
-    if(EXISTS "${_bitcode}/ockl.bc")
-      list(APPEND HIPFERRY_HIP_FLAGS "--hip-device-lib-path=${_bitcode}")
-      break()
-    endif()
-  endforeach()
-
   function(hipferry_gpu_sources target)
-    target_compile_options(${target} PRIVATE ${HIPFERRY_HIP_FLAGS})
     set_source_files_properties(${ARGN} PROPERTIES LANGUAGE CUDA)
     target_sources(${target} PRIVATE ${ARGN})
     target_link_libraries(${target} PUBLIC CUDA::cudart)

@@ -18,6 +18,20 @@ foreach(lib c10 torch_cpu torch)
   target_link_libraries(hipferry_torch INTERFACE "${HIPFERRY_LIB_${lib}}")
 endforeach()
 
+# at::parallel_for is inline: with an OpenMP build of torch its `omp parallel`
+# is compiled into OUR objects, so they need -fopenmp (libgomp, as torch uses)
+# or every CPU kernel silently runs on one thread.
+file(READ "${HIPFERRY_TORCH_INCLUDE}/ATen/Config.h" _aten_config)
+if(_aten_config MATCHES "#define AT_PARALLEL_OPENMP 1")
+  if(CMAKE_CXX_COMPILER_ID MATCHES "Clang")
+    set(_openmp_flag -fopenmp=libgomp)
+  else()
+    set(_openmp_flag -fopenmp)
+  endif()
+  target_compile_options(hipferry_torch INTERFACE ${_openmp_flag})
+  target_link_options(hipferry_torch INTERFACE ${_openmp_flag})
+endif()
+
 execute_process(COMMAND "${HIPFERRY_PYTHON}" -m pybind11 --cmakedir
                 OUTPUT_VARIABLE pybind11_DIR OUTPUT_STRIP_TRAILING_WHITESPACE
                 COMMAND_ERROR_IS_FATAL ANY)
@@ -33,6 +47,8 @@ pybind11_add_module(_C MODULE
 if(NOT HIPFERRY_RESOLVED_TARGET STREQUAL "cpu")
   target_sources(_C PRIVATE csrc/torch/copy_cast_gpu.cpp csrc/torch/current_stream.cpp)
 endif()
+# Recent torch headers need C++20 (older ones build with it as well).
+set_target_properties(_C PROPERTIES CXX_STANDARD 20)
 target_include_directories(_C PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/csrc)
 target_link_libraries(_C PRIVATE hipferry_runtime hipferry_torch)
 target_compile_definitions(_C PRIVATE HIPFERRY_TORCH_VERSION="${HIPFERRY_TORCH_VERSION}")

@@ -1,5 +1,6 @@
-// copy_cast_ on the CPU (both tensors in host memory) and its Meta kernel
-// (shape/dtype checks only, used by torch.compile's fake tensors).
+// copy_cast_ on the CPU (both tensors in host memory). The fake (Meta) kernel
+// used by torch.compile is in python/hipferry/ops.py: it must handle symbolic
+// shapes, which the checks here (numel, strides) cannot.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -40,11 +41,8 @@ void copy_cast_cpu_kernel(at::Tensor& dst, const at::Tensor& src) {
   });
 }
 
-void copy_cast_meta_kernel(at::Tensor& dst, const at::Tensor& src) { check_copy_cast_args(dst, src); }
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(hipferry, CPU, m) { m.impl("copy_cast_", &copy_cast_cpu_kernel); }
-TORCH_LIBRARY_IMPL(hipferry, Meta, m) { m.impl("copy_cast_", &copy_cast_meta_kernel); }
 
 }  // namespace hipferry

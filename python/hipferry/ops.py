@@ -25,5 +25,22 @@ def copy_cast_(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"hipferry.copy_cast_: dst must be a torch.Tensor, got {type(dst).__name__}")
     if not isinstance(src, torch.Tensor):
         raise TypeError(f"hipferry.copy_cast_: src must be a torch.Tensor, got {type(src).__name__}")
-    torch.ops.hipferry.copy_cast_(dst, src)
+    for name, t in (("dst", dst), ("src", src)):
+        if t.layout != torch.strided:
+            raise ValueError(f"hipferry.copy_cast_: {name} must be a strided (dense) tensor, got layout {t.layout}")
+    torch.ops.hipferry.copy_cast_.default(dst, src)
     return dst
+
+
+_CONVERTIBLE = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@torch.library.register_fake("hipferry::copy_cast_")
+def _copy_cast_fake(dst: torch.Tensor, src: torch.Tensor) -> None:
+    # Same shape/dtype rules as the C++ checks, written for symbolic shapes.
+    if dst.shape != src.shape:
+        raise RuntimeError(f"hipferry.copy_cast_: dst has shape {list(dst.shape)} but src has shape "
+                           f"{list(src.shape)}; expected equal shapes")
+    if dst.dtype != src.dtype and not (dst.dtype in _CONVERTIBLE and src.dtype in _CONVERTIBLE):
+        raise RuntimeError(f"hipferry.copy_cast_: cannot convert src dtype {src.dtype} to dst dtype {dst.dtype}; "
+                           "expected float32, float16 or bfloat16 on both sides, or equal dtypes")

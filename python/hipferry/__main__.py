@@ -1,0 +1,50 @@
+"""python -m hipferry {doctor,bench} — see README."""
+import argparse
+import sys
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hipferry")
+    sub = parser.add_subparsers(dest="command", required=True)
+    doc = sub.add_parser("doctor", help="platform report, self-test and measured bandwidth")
+    doc.add_argument("--quick", action="store_true", help="smaller bandwidth measurements")
+    bench = sub.add_parser("bench", help="run benchmark suites; tables, JSON and PNG plots")
+    bench.add_argument("suites", nargs="*", help="suite names (default: all)")
+    bench.add_argument("--out", default="bench-out", help="directory for JSON and PNG (default: bench-out)")
+    bench.add_argument("--quick", action="store_true", help="small sizes, few repeats")
+    bench.add_argument("--max-bytes", type=int, default=None, help="largest size measured")
+    bench.add_argument("--repeats", type=int, default=5, help="interleaved rounds, best kept")
+    bench.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                       help="auto: add GPU cases when a GPU is visible")
+    bench.add_argument("--list", action="store_true", help="list suites and exit")
+    args = parser.parse_args(argv)
+
+    if args.command == "doctor":
+        from . import doctor
+        return doctor.run(quick=args.quick)
+
+    from . import bench as bench_mod
+    if args.list:
+        print("\n".join(bench_mod.available()))
+        return 0
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.max_bytes is not None and args.max_bytes < 4096:
+        parser.error(f"--max-bytes must be >= 4096, got {args.max_bytes}")
+    import torch
+    from .platform import device_count
+    device = args.device
+    if device == "auto":
+        device = "cuda" if device_count() > 0 and torch.cuda.is_available() else "cpu"
+    elif device == "cuda" and device_count() == 0:
+        parser.error("--device cuda: no GPU visible to hipferry")
+    ctx = bench_mod.Context(quick=args.quick, max_bytes=args.max_bytes, repeats=args.repeats, device=device)
+    try:
+        bench_mod.run(args.suites, args.out, ctx)
+    except ValueError as e:
+        parser.error(str(e))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""`python -m hipferry bench`: named benchmark suites -> table, JSON and PNG plots.
+
+A suite is a function ``(ctx) -> SuiteResult`` registered with ``@suite("name")``.
+Contenders are always measured side by side in one run (interleaved, repeated,
+best kept), so ratios hold on a noisy machine.
+"""
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+_SUITES: Dict[str, Callable] = {}
+
+
+def suite(name: str):
+    def register(fn):
+        _SUITES[name] = fn
+        return fn
+    return register
+
+
+@dataclass
+class Context:
+    quick: bool = False          # small sizes, few repeats (tests, smoke runs)
+    max_bytes: Optional[int] = None
+    repeats: int = 5
+    device: str = "cpu"          # where the suites run: "cpu" or "cuda"
+
+    def progress(self, suite_name: str, i: int, n: int, what: str) -> None:
+        sys.stderr.write(f"[{suite_name}] {i}/{n} {what}\n")
+        sys.stderr.flush()
+
+
+@dataclass
+class SuiteResult:
+    rows: List[dict]                          # one dict per measurement
+    columns: List[str]                        # table columns, in order
+    plots: List[dict] = field(default_factory=list)  # see write_plot
+    notes: List[str] = field(default_factory=list)
+
+
+def best_of_interleaved(contenders: Dict[str, Callable[[], float]], repeats: int) -> Dict[str, float]:
+    """Runs every contender once per round, `repeats` rounds, and keeps each one's
+    best time. Each callable returns its own elapsed seconds."""
+    best = {k: float("inf") for k in contenders}
+    for _ in range(repeats):
+        for name, run in contenders.items():
+            best[name] = min(best[name], run())
+    return best
+
+
+def wall_timer(fn: Callable[[], None]) -> Callable[[], float]:
+    def timed() -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+    return timed
+
+
+def format_table(columns: List[str], rows: List[dict]) -> str:
+    def cell(v):
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+        return str(v)
+    body = [[cell(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(b[i]) for b in body)) if body else len(c) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(v.rjust(w) for v, w in zip(b, widths)) for b in body]
+    return "\n".join(lines)
+
+
+def write_plot(path: str, plot: dict, rows: List[dict]) -> bool:
+    """plot: {"x": col, "y": col, "series": col, "title": str, "logx": bool, "ylabel": str}."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        sys.stderr.write("matplotlib not installed: no plot written (pip install matplotlib)\n")
+        return False
+    fig, ax = plt.subplots(figsize=(8, 5))
+    series = sorted({r[plot["series"]] for r in rows})
+    for s in series:
+        pts = sorted((r[plot["x"]], r[plot["y"]]) for r in rows if r[plot["series"]] == s)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=s)
+    if plot.get("logx", True):
+        ax.set_xscale("log", base=2)
+    ax.set_xlabel(plot.get("xlabel", plot["x"]))
+    ax.set_ylabel(plot.get("ylabel", plot["y"]))
+    ax.set_title(plot.get("title", ""))
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def available() -> List[str]:
+    _load_suites()
+    return sorted(_SUITES)
+
+
+def _load_suites() -> None:
+    from . import copy_cast_suite  # noqa: F401  (registers itself)
+
+
+def run(names: List[str], out_dir: str, ctx: Context) -> Dict[str, dict]:
+    _load_suites()
+    unknown = [n for n in names if n not in _SUITES]
+    if unknown:
+        raise ValueError(f"hipferry bench: unknown suite(s) {unknown}; expected one of {sorted(_SUITES)}")
+    os.makedirs(out_dir, exist_ok=True)
+    results = {}
+    for name in names or sorted(_SUITES):
+        res: SuiteResult = _SUITES[name](ctx)
+        print(f"\n== {name} ==")
+        print(format_table(res.columns, res.rows))
+        for n in res.notes:
+            print(f"note: {n}")
+        doc = {"suite": name, "device": ctx.device, "quick": ctx.quick, "rows": res.rows, "notes": res.notes,
+               "environment": _environment()}
+        json_path = os.path.join(out_dir, f"{name}.json")
+        with open(json_path, "w") as f:
+            json.dump(doc, f, indent=1)
+        written = [json_path]
+        for i, plot in enumerate(res.plots):
+            png = os.path.join(out_dir, f"{name}{'' if i == 0 else '_' + str(i)}.png")
+            if write_plot(png, plot, res.rows):
+                written.append(png)
+        print("wrote " + ", ".join(written))
+        results[name] = doc
+    return results
+
+
+def _environment() -> dict:
+    import platform
+    import torch
+    from .. import platform as hf_platform
+    return {"torch": torch.__version__, "hipferry_build": hf_platform.build_info(),
+            "threads": torch.get_num_threads(), "machine": platform.machine(),
+            "python": platform.python_version()}

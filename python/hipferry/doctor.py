@@ -1,0 +1,167 @@
+"""`python -m hipferry doctor`: what a bug report needs, and whether this build works here.
+
+Exit code 0 when this build works on this machine; 1 with the reasons when it cannot.
+"""
+import platform as py_platform
+import sys
+import time
+from typing import Dict, List
+
+import torch
+
+from . import platform as hf_platform
+from .ops import copy_cast_
+
+MiB = 1 << 20
+
+
+def diagnose(build_target: str, torch_flavor: str, runtime_devices: int, torch_devices: int) -> List[str]:
+    """Problems that stop this build from working here (empty list: it works)."""
+    problems = []
+    if build_target in ("rocm", "cuda") and torch_flavor != build_target:
+        problems.append(
+            f"hipferry was built for {build_target} but is running under a {torch_flavor} build of torch "
+            f"{torch.__version__}; reinstall hipferry in this environment "
+            f"(pip install --no-build-isolation --force-reinstall .) or switch torch back")
+    if build_target in ("rocm", "cuda") and torch_flavor == build_target and runtime_devices != torch_devices:
+        problems.append(
+            f"the {build_target} runtime sees {runtime_devices} device(s) but torch sees {torch_devices}; "
+            "check HIP_VISIBLE_DEVICES / CUDA_VISIBLE_DEVICES and that both use the same driver")
+    return problems
+
+
+def notes(build_target: str, torch_flavor: str, runtime_devices: int) -> List[str]:
+    """Things worth knowing that do not stop the build from working."""
+    out = []
+    if build_target == "cpu" and torch_flavor != "cpu":
+        out.append(f"this is a CPU-only build under a {torch_flavor} torch: GPU tensors are not accepted; "
+                   "rebuild with HIPFERRY_TARGET=auto to use the GPU")
+    if build_target in ("rocm", "cuda") and runtime_devices == 0:
+        out.append("no GPU device visible: everything runs on the CPU")
+    return out
+
+
+def _best_seconds(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _gpu_seconds(fn, repeats: int) -> float:
+    """Best time of fn on the current stream, measured with events."""
+    best = float("inf")
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return best
+
+
+def measure_cpu_bandwidth(nbytes: int = 256 * MiB, repeats: int = 5) -> Dict[str, float]:
+    """GB/s of host memory copy (torch copy_) and of hipferry's float32->bfloat16 pass,
+    counting bytes read plus bytes written."""
+    src = torch.rand(nbytes // 4)
+    dst = torch.empty_like(src)
+    dst16 = torch.empty(src.shape, dtype=torch.bfloat16)
+    copy_s = _best_seconds(lambda: dst.copy_(src), repeats)
+    cast_s = _best_seconds(lambda: copy_cast_(dst16, src), repeats)
+    return {"host_copy_GBps": 2 * nbytes / copy_s / 1e9,
+            "copy_cast_f32_to_bf16_GBps": 1.5 * nbytes / cast_s / 1e9}
+
+
+def measure_gpu_bandwidth(device: int, nbytes: int = 64 * MiB, repeats: int = 5) -> Dict[str, float]:
+    """GB/s host->device and device->host, pageable and pinned (torch copies)."""
+    dev = torch.device("cuda", device)
+    with torch.cuda.device(dev):
+        d = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+        out = {}
+        for kind in ("pageable", "pinned"):
+            h = torch.empty(nbytes, dtype=torch.uint8, pin_memory=(kind == "pinned"))
+            out[f"h2d_{kind}_GBps"] = nbytes / _gpu_seconds(lambda: d.copy_(h, non_blocking=True), repeats) / 1e9
+            out[f"d2h_{kind}_GBps"] = nbytes / _gpu_seconds(lambda: h.copy_(d, non_blocking=True), repeats) / 1e9
+        return out
+
+
+def self_test(device: str) -> None:
+    """copy_cast_ on `device` must agree bit for bit with torch's .to()."""
+    src = torch.randn(100_003, dtype=torch.float32) * 1e3
+    if device != "cpu":
+        src = src.pin_memory()
+    for dtype in (torch.bfloat16, torch.float16):
+        dst = torch.empty(src.shape, dtype=dtype, device=device)
+        copy_cast_(dst, src)
+        if device != "cpu":
+            torch.cuda.synchronize()
+        want = src.to(dtype).to(device)
+        if not torch.equal(dst.view(torch.int16), want.view(torch.int16)):
+            raise RuntimeError(f"copy_cast_ float32->{dtype} on {device} differs from torch .to()")
+
+
+def run(quick: bool = False) -> int:
+    build = hf_platform.build_info()
+    flavor = hf_platform.torch_flavor()
+    runtime_devices = hf_platform.device_count()
+    torch_devices = torch.cuda.device_count() if flavor != "cpu" else 0
+    w = sys.stdout.write
+    w("hipferry doctor\n")
+    w(f"  hipferry        {sys.modules['hipferry'].__version__}, built for {build['target']}"
+      f" ({build['architectures'] or 'no GPU architectures'}) against torch {build['torch_version_built_against']}\n")
+    w(f"  runtime         version {build['runtime_version']}, driver {build['driver_version']}\n")
+    w(f"  torch           {torch.__version__} ({flavor}"
+      f"{' ' + (torch.version.hip or torch.version.cuda) if flavor != 'cpu' else ''}), "
+      f"{torch_devices} device(s) visible to torch\n")
+    w(f"  python          {py_platform.python_version()} on {py_platform.platform()}\n")
+    w(f"  cpu             {py_platform.processor() or py_platform.machine()}, {torch.get_num_threads()} threads, "
+      f"F16C path: {'yes' if build['cpu_f16c'] else 'no'}\n")
+
+    problems = diagnose(build["target"], flavor, runtime_devices, torch_devices)
+    for n in notes(build["target"], flavor, runtime_devices):
+        w(f"  note            {n}\n")
+
+    if not problems:
+        for i in range(runtime_devices):
+            info = hf_platform.device_info(i)
+            w(f"  device {i}        {info['name']} ({info['arch']}), {info['total_memory'] / 2**30:.1f} GiB, "
+              f"{info['multiprocessors']} multiprocessors, maps host memory: {info['can_map_host_memory']}\n")
+        if runtime_devices > 0:
+            from . import _C
+            for label, flags, reg in (("pinned (hipHostMalloc, mapped)", 0x2 | 0x1, False),
+                                      ("registered (hipHostRegister, mapped)", 0x2 | 0x1, True)):
+                try:
+                    r = _C.check_host_memory(0, 4 * MiB, flags, reg)
+                    ok = r["round_trip_ok"]
+                    w(f"  host memory     {label}: {'works' if ok else 'DATA MISMATCH'}"
+                      f"{'' if r['device_address_equals_host_address'] else ' (device address differs from host address)'}\n")
+                    if not ok:
+                        problems.append(f"{label} host memory round trip gave wrong data")
+                except RuntimeError as e:
+                    problems.append(f"{label} host memory failed: {e}")
+        try:
+            self_test("cpu")
+            if runtime_devices > 0:
+                self_test("cuda")
+            w("  self-test       copy_cast_ matches torch .to() bit for bit\n")
+        except RuntimeError as e:
+            problems.append(f"self-test failed: {e}")
+        w("  bandwidth       measuring...\n")
+        cpu = measure_cpu_bandwidth(64 * MiB if quick else 256 * MiB, 3 if quick else 5)
+        w(f"  host memory     copy {cpu['host_copy_GBps']:.1f} GB/s, copy_cast f32->bf16 "
+          f"{cpu['copy_cast_f32_to_bf16_GBps']:.1f} GB/s (bytes read + written)\n")
+        for i in range(runtime_devices if torch_devices else 0):
+            g = measure_gpu_bandwidth(i, 16 * MiB if quick else 64 * MiB)
+            w(f"  device {i} link   H2D pageable {g['h2d_pageable_GBps']:.1f}, pinned {g['h2d_pinned_GBps']:.1f} GB/s; "
+              f"D2H pageable {g['d2h_pageable_GBps']:.1f}, pinned {g['d2h_pinned_GBps']:.1f} GB/s\n")
+
+    if problems:
+        for p in problems:
+            w(f"  PROBLEM         {p}\n")
+        w("status: NOT WORKING\n")
+        return 1
+    w("status: OK\n")
+    return 0
