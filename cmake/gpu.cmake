@@ -62,9 +62,18 @@ elseif(HIPFERRY_RESOLVED_TARGET STREQUAL "cuda")
   endif()
   check_language(CUDA)
   if(NOT CMAKE_CUDA_COMPILER)
-    message(FATAL_ERROR "hipferry: the cuda target needs nvcc, which was not found. Install the "
-                        "CUDA toolkit, set CUDACXX=/path/to/nvcc, or set HIPFERRY_TARGET=cpu.")
+    set(_msg "the cuda target needs nvcc, which was not found. Install the CUDA toolkit, "
+             "set CUDACXX=/path/to/nvcc, or set HIPFERRY_TARGET=cpu.")
+    if(HIPFERRY_TARGET STREQUAL "auto")  # a laptop with a CUDA torch and no toolkit
+      message(WARNING "hipferry: ${_msg} Building the CPU-only extension instead.")
+      set(HIPFERRY_RESOLVED_TARGET "cpu")
+    else()
+      message(FATAL_ERROR "hipferry: ${_msg}")
+    endif()
   endif()
+endif()
+
+if(HIPFERRY_RESOLVED_TARGET STREQUAL "cuda")
   if(HIPFERRY_CUDA_ARCHS)
     set(_archs "${HIPFERRY_CUDA_ARCHS}")
   elseif(DEFINED ENV{TORCH_CUDA_ARCH_LIST} AND NOT "$ENV{TORCH_CUDA_ARCH_LIST}" STREQUAL "")

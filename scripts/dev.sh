@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# hipferry developer entry point. Every subcommand works on a fresh machine.
+#
+#   scripts/dev.sh example   install deps, build, run examples/convert_weights.py
+#   scripts/dev.sh test      install deps, build, run ALL tests:
+#                              ctest (core, runtime, exhaustive conversions) + pytest,
+#                              AMD (ROCm Clang) and NVIDIA (nvcc) builds of the GPU code
+#                              with their C++ tests (they report "no device" here),
+#                              and the ASan+UBSan build of core and runtime
+#   scripts/dev.sh deps | build | check-gpu-builds | sanitize   the single steps
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+PYTAG=$($PY -c 'import sys; print(f"cp{sys.version_info.major}{sys.version_info.minor}")')
+BUILD_DIR=${HIPFERRY_BUILD_DIR:-$PWD/build/cmake-$PYTAG}
+JOBS=${MAX_JOBS:-$(nproc)}
+step() { printf '\n=== %s ===\n' "$*"; }
+
+deps() {
+  step "system packages"
+  local pkgs=(cmake ninja-build googletest libgtest-dev hipcc librocprim-dev)
+  local missing=()
+  for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+  if ((${#missing[@]})); then
+    if [[ $(id -u) -eq 0 ]]; then
+      apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+    else
+      echo "missing Debian packages: ${missing[*]} (run as root or: sudo apt-get install ${missing[*]})" >&2
+      exit 1
+    fi
+  fi
+  step "python packages"
+  $PY -m pip install -q -r requirements-dev.txt 2>&1 | grep -v "Running pip as the 'root' user" || true
+}
+
+build() {
+  step "build and install hipferry (CMake tree: $BUILD_DIR)"
+  HIPFERRY_BUILD_DIR="$BUILD_DIR" HIPFERRY_BUILD_TESTS=ON MAX_JOBS=$JOBS \
+    $PY -m pip install --no-build-isolation --no-deps -q . 2>&1 | grep -v "Running pip as the 'root' user" || true
+  $PY -c "import hipferry; print('installed hipferry', hipferry.__version__, hipferry.build_info())"
+}
+
+# GPU code for both vendors, without torch: compile, link, run the C++ tests.
+check_gpu_builds() {
+  step "AMD build (ROCm Clang, gfx90a;gfx940;gfx1030)"
+  cmake -S . -B build/check-rocm -G Ninja -DHIPFERRY_BUILD_TORCH=OFF -DHIPFERRY_TARGET=rocm \
+    -DHIPFERRY_ROCM_ARCHS="gfx90a;gfx940;gfx1030" >/dev/null
+  cmake --build build/check-rocm -j "$JOBS" 2>&1 | grep -v -E "rocm_agent_enumerator|Traceback|File \"|^\s" || true
+  ctest --test-dir build/check-rocm --output-on-failure -LE exhaustive -j "$JOBS"
+  step "NVIDIA build (nvcc, sm_80 sm_90)"
+  cmake -S . -B build/check-cuda -G Ninja -DHIPFERRY_BUILD_TORCH=OFF -DHIPFERRY_TARGET=cuda \
+    -DHIPFERRY_CUDA_ARCHS="80-real;90" >/dev/null
+  cmake --build build/check-cuda -j "$JOBS"
+  ctest --test-dir build/check-cuda --output-on-failure -LE exhaustive -j "$JOBS"
+}
+
+sanitize() {
+  step "ASan + UBSan build of core and CPU runtime"
+  cmake -S . -B build/check-asan -G Ninja -DHIPFERRY_BUILD_TORCH=OFF -DHIPFERRY_TARGET=cpu \
+    -DHIPFERRY_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+  cmake --build build/check-asan -j "$JOBS"
+  ctest --test-dir build/check-asan --output-on-failure -LE exhaustive -j "$JOBS"
+}
+
+run_tests() {
+  step "C++ tests of the installed build ($BUILD_DIR)"
+  ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$JOBS"
+  step "Python tests"
+  $PY -m pytest -q -ra tests/python
+}
+
+case "${1:-}" in
+  deps) deps ;;
+  build) build ;;
+  check-gpu-builds) check_gpu_builds ;;
+  sanitize) sanitize ;;
+  test)
+    start=$(date +%s)
+    deps; build; run_tests; check_gpu_builds; sanitize
+    step "all tests passed in $(( $(date +%s) - start )) s"
+    ;;
+  example)
+    deps; build
+    step "examples/convert_weights.py"
+    $PY examples/convert_weights.py
+    ;;
+  *) sed -n '2,12p' "$0"; exit 2 ;;
+esac

@@ -1,0 +1,48 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hipferry import bench
+
+
+def test_bench_quick_suite_writes_table_json_and_plot(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "hipferry", "bench", "copy_cast", "--quick", "--max-bytes", "65536",
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "[copy_cast] 1/" in r.stderr  # progress
+    assert "hipferry copy_cast_" in r.stdout and "torch copy_" in r.stdout
+    doc = json.loads((tmp_path / "copy_cast.json").read_text())
+    sizes = sorted({row["bytes"] for row in doc["rows"]})
+    assert sizes == [4096, 16384, 65536]
+    assert all(row["GBps"] > 0 for row in doc["rows"])
+    png = (tmp_path / "copy_cast.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_unknown_suite_is_a_clear_error(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "hipferry", "bench", "nope", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "unknown suite(s) ['nope']" in r.stderr
+
+
+@pytest.mark.parametrize("args,msg", [(["--repeats", "0"], "--repeats must be >= 1"),
+                                      (["--max-bytes", "10"], "--max-bytes must be >= 4096")])
+def test_bad_arguments(args, msg, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "hipferry", "bench", *args, "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and msg in r.stderr
+
+
+def test_best_of_interleaved_keeps_each_minimum():
+    times = {"a": iter([3.0, 1.0, 2.0]), "b": iter([5.0, 6.0, 4.0])}
+    best = bench.best_of_interleaved({k: (lambda k=k: next(times[k])) for k in times}, repeats=3)
+    assert best == {"a": 1.0, "b": 4.0}
+
+
+def test_format_table_aligns_columns():
+    out = bench.format_table(["x", "value"], [{"x": 1, "value": 2.5}, {"x": 100, "value": 12345.6}])
+    lines = out.splitlines()
+    assert len({len(l) for l in lines}) == 1 and "12346" in lines[-1]

@@ -1,0 +1,55 @@
+import subprocess
+import sys
+
+import pytest
+
+from hipferry import doctor
+import hipferry
+
+
+def test_doctor_runs_and_reports_ok_here():
+    r = subprocess.run([sys.executable, "-m", "hipferry", "doctor", "--quick"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    target = hipferry.build_info()["target"]
+    assert f"built for {target}" in r.stdout
+    assert "self-test       copy_cast_ matches torch .to() bit for bit" in r.stdout
+    assert "host memory     copy" in r.stdout and "GB/s" in r.stdout
+    assert r.stdout.rstrip().endswith("status: OK")
+
+
+@pytest.mark.parametrize("build,flavor", [("rocm", "cuda"), ("cuda", "rocm"), ("cuda", "cpu"), ("rocm", "cpu")])
+def test_diagnose_flags_a_build_torch_mismatch(build, flavor):
+    problems = doctor.diagnose(build, flavor, runtime_devices=0, torch_devices=0)
+    assert len(problems) == 1
+    assert f"built for {build}" in problems[0] and f"{flavor} build of torch" in problems[0]
+
+
+@pytest.mark.parametrize("build,flavor", [("cpu", "cpu"), ("cpu", "cuda"), ("cuda", "cuda"), ("rocm", "rocm")])
+def test_diagnose_accepts_working_combinations(build, flavor):
+    assert doctor.diagnose(build, flavor, runtime_devices=1 if build != "cpu" else 0,
+                           torch_devices=1 if build != "cpu" else 0) == []
+
+
+def test_diagnose_flags_device_count_disagreement():
+    problems = doctor.diagnose("cuda", "cuda", runtime_devices=2, torch_devices=1)
+    assert problems and "sees 2 device(s) but torch sees 1" in problems[0]
+
+
+def test_notes_explain_cpu_only_build_under_gpu_torch():
+    assert any("CPU-only build" in n for n in doctor.notes("cpu", "cuda", 0))
+    assert any("no GPU device visible" in n for n in doctor.notes("cuda", "cuda", 0))
+
+
+def test_device_info_rejects_bad_index():
+    with pytest.raises(ValueError, match=r"device must be in \[0, "):
+        hipferry.device_info(hipferry.device_count() + 3)
+    with pytest.raises(TypeError, match="device must be an int"):
+        hipferry.device_info("0")
+
+
+def test_build_info_fields():
+    b = hipferry.build_info()
+    assert b["target"] in ("rocm", "cuda", "cpu")
+    assert (b["architectures"] == "") == (b["target"] == "cpu")
+    assert isinstance(b["cpu_f16c"], bool)
