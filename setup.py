@@ -9,6 +9,7 @@ Environment:
     TORCH_CUDA_ARCH_LIST e.g. "8.0;9.0+PTX"    (or HIPFERRY_CUDA_ARCHS)
     HIPFERRY_BUILD_DIR   CMake build tree (default build/cmake-<python tag>)
     HIPFERRY_BUILD_TESTS ON to also build the C++ tests there (ctest --test-dir ...)
+    HIPFERRY_GTEST_SOURCE_DIR  GoogleTest sources, where no GoogleTest package is installed
     MAX_JOBS             parallel compile jobs
 """
 import os
@@ -46,7 +47,7 @@ class CMakeBuild(build_ext):
         ]
         if _have("ninja"):
             args += ["-G", "Ninja"]
-        for var in ("HIPFERRY_TARGET", "HIPFERRY_ROCM_ARCHS", "HIPFERRY_CUDA_ARCHS"):
+        for var in ("HIPFERRY_TARGET", "HIPFERRY_ROCM_ARCHS", "HIPFERRY_CUDA_ARCHS", "HIPFERRY_GTEST_SOURCE_DIR"):
             if os.environ.get(var):
                 args.append(f"-D{var}={os.environ[var]}")
         subprocess.run(args, check=True)

@@ -48,20 +48,27 @@ else()
   endif()
 endif()
 
+# A GPU target whose compiler is missing: an explicit target fails; auto (e.g.
+# a laptop with PyPI's CUDA torch and no toolkit) builds the CPU-only extension.
+macro(hipferry_missing_gpu_compiler)
+  string(CONCAT _msg ${ARGN})
+  if(HIPFERRY_TARGET STREQUAL "auto")
+    message(WARNING "hipferry: ${_msg} Building the CPU-only extension instead.")
+    set(HIPFERRY_RESOLVED_TARGET "cpu")
+  else()
+    message(FATAL_ERROR "hipferry: ${_msg}")
+  endif()
+endmacro()
+
 # The rocm target compiles with ROCm's Clang (hipcc's own compiler): host files
 # as C++, .hip files as HIP through hip::device. Found from ROCm's llvm, else
 # from hipcc itself (e.g. Debian's hipcc uses clang++-15). CXX overrides.
 if(HIPFERRY_RESOLVED_TARGET STREQUAL "rocm" AND NOT CMAKE_CXX_COMPILER AND NOT DEFINED ENV{CXX})
   find_program(HIPFERRY_HIPCC hipcc HINTS "$ENV{ROCM_PATH}/bin" /opt/rocm/bin)
   if(NOT HIPFERRY_HIPCC)
-    set(_msg "the rocm target needs ROCm's hipcc, which was not found. Install ROCm (or Debian's "
-             "'hipcc'), put hipcc on PATH or set CXX to ROCm's clang++; or set HIPFERRY_TARGET=cpu.")
-    if(HIPFERRY_TARGET STREQUAL "auto")
-      message(WARNING "hipferry: ${_msg} Building the CPU-only extension instead.")
-      set(HIPFERRY_RESOLVED_TARGET "cpu")
-    else()
-      message(FATAL_ERROR "hipferry: ${_msg}")
-    endif()
+    hipferry_missing_gpu_compiler("the rocm target needs ROCm's hipcc, which was not found. Install "
+                                  "ROCm (or Debian's 'hipcc'), put hipcc on PATH or set CXX to ROCm's "
+                                  "clang++; or set HIPFERRY_TARGET=cpu.")
   endif()
 endif()
 if(HIPFERRY_RESOLVED_TARGET STREQUAL "rocm" AND NOT CMAKE_CXX_COMPILER AND NOT DEFINED ENV{CXX})

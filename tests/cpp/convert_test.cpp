@@ -90,40 +90,33 @@ std::uint64_t count_and_report(const char* what, std::uint32_t input, T got, T w
   return 1;
 }
 
-TEST(ConvertExhaustive, Float32ToBFloat16AllPatterns) {
+// Every float32 pattern through the shared function `scalar` (what the GPU
+// runs) and through copy_cast_cpu (what the CPU runs) against `reference`.
+template <class Scalar, class Reference>
+void check_all_f32_to(ElementType to, Scalar scalar, Reference reference) {
   std::uint64_t reported = 0;
   const auto bad = over_all_f32_patterns([&](std::uint32_t first, std::uint64_t n) {
     std::vector<float> src(n);
     std::vector<std::uint16_t> cpu(n);
     for (std::uint64_t i = 0; i < n; ++i) src[i] = f32_from_bits(first + static_cast<std::uint32_t>(i));
-    copy_cast_cpu(src.data(), ElementType::kFloat32, cpu.data(), ElementType::kBFloat16, 0, n);
+    copy_cast_cpu(src.data(), ElementType::kFloat32, cpu.data(), to, 0, n);
     std::uint64_t b = 0;
     for (std::uint64_t i = 0; i < n; ++i) {
-      const std::uint16_t want = reference_f32_to_bf16(src[i]);
-      b += count_and_report("f32_to_bf16_rne", first + i, f32_to_bf16_rne(src[i]), want, reported);
-      b += count_and_report("copy_cast_cpu f32->bf16", first + i, cpu[i], want, reported);
+      const std::uint16_t want = reference(src[i]);
+      b += count_and_report("convert.h", first + i, scalar(src[i]), want, reported);
+      b += count_and_report("copy_cast_cpu", first + i, cpu[i], want, reported);
     }
     return b;
   });
-  EXPECT_EQ(bad, 0u);
+  EXPECT_EQ(bad, 0u) << "float32 -> " << element_type_name(to);
+}
+
+TEST(ConvertExhaustive, Float32ToBFloat16AllPatterns) {
+  check_all_f32_to(ElementType::kBFloat16, f32_to_bf16_rne, reference_f32_to_bf16);
 }
 
 TEST(ConvertExhaustive, Float32ToFloat16AllPatterns) {
-  std::uint64_t reported = 0;
-  const auto bad = over_all_f32_patterns([&](std::uint32_t first, std::uint64_t n) {
-    std::vector<float> src(n);
-    std::vector<std::uint16_t> cpu(n);
-    for (std::uint64_t i = 0; i < n; ++i) src[i] = f32_from_bits(first + static_cast<std::uint32_t>(i));
-    copy_cast_cpu(src.data(), ElementType::kFloat32, cpu.data(), ElementType::kFloat16, 0, n);
-    std::uint64_t b = 0;
-    for (std::uint64_t i = 0; i < n; ++i) {
-      const std::uint16_t want = reference_f32_to_f16(src[i]);
-      b += count_and_report("f32_to_f16_rne", first + i, f32_to_f16_rne(src[i]), want, reported);
-      b += count_and_report("copy_cast_cpu f32->f16", first + i, cpu[i], want, reported);
-    }
-    return b;
-  });
-  EXPECT_EQ(bad, 0u);
+  check_all_f32_to(ElementType::kFloat16, f32_to_f16_rne, reference_f32_to_f16);
 }
 
 TEST(ConvertExhaustive, Float16AndBFloat16ToFloat32AllPatterns) {

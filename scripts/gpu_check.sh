@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One-command GPU check for a machine with a GPU and torch installed (no
+# internet needed): builds hipferry, runs the C++ and Python GPU tests, doctor
+# and the bench suites, and writes logs and JSON/PNG into OUTDIR.
+#
+#   scripts/gpu_check.sh OUTDIR
+#
+# GoogleTest: the system package, else sources in third_party/googletest (an
+# ignored folder; copy Debian's /usr/src/googletest there), else C++ tests are
+# skipped. Built for the local GPU only (TORCH_CUDA_ARCH_LIST / PYTORCH_ROCM_ARCH
+# from the device) to stay well under 8 minutes on 16 cores.
+set -uo pipefail
+OUT=${1:?usage: scripts/gpu_check.sh OUTDIR}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+BUILD_DIR=$PWD/build/gpu-check
+start=$(date +%s)
+status=0
+run() {  # run NAME CMD...: log to OUT/NAME.log, remember failures
+  local name=$1; shift
+  echo "[$(( $(date +%s) - start ))s] $name"
+  if ! "$@" >"$OUT/$name.log" 2>&1; then echo "  FAILED (see $OUT/$name.log)"; status=1; fi
+  tail -n 3 "$OUT/$name.log" | sed 's/^/  | /'
+}
+arch=$($PY -c "import torch; p = torch.cuda.get_device_properties(0); print(getattr(p, 'gcnArchName', '').split(':')[0] or f'{p.major}.{p.minor}')")
+if [[ $arch == gfx* ]]; then export PYTORCH_ROCM_ARCH=$arch; else export TORCH_CUDA_ARCH_LIST=$arch; fi
+gtest_src=""
+[[ -f third_party/googletest/CMakeLists.txt ]] && gtest_src=$PWD/third_party/googletest
+run build env HIPFERRY_BUILD_DIR="$BUILD_DIR" HIPFERRY_BUILD_TESTS=ON HIPFERRY_GTEST_SOURCE_DIR="$gtest_src" \
+  $PY -m pip install --no-build-isolation --no-deps -v .
+run ctest ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$(nproc)"
+run pytest $PY -m pytest -q -ra tests/python --junitxml="$OUT/pytest.xml"
+run doctor $PY -m hipferry doctor
+run bench $PY -m hipferry bench --out "$OUT/bench" --repeats 5
+run example $PY examples/convert_weights.py
+echo "done in $(( $(date +%s) - start ))s, status $status; results in $OUT"
+exit $status
