@@ -69,20 +69,19 @@ if(HIPFERRY_RESOLVED_TARGET STREQUAL "rocm" AND NOT CMAKE_CXX_COMPILER AND NOT D
     hipferry_missing_gpu_compiler("the rocm target needs ROCm's hipcc, which was not found. Install "
                                   "ROCm (or Debian's 'hipcc'), put hipcc on PATH or set CXX to ROCm's "
                                   "clang++; or set HIPFERRY_TARGET=cpu.")
+  else()
+    execute_process(COMMAND "${HIPFERRY_HIPCC}" --version OUTPUT_VARIABLE _hipcc_version ERROR_QUIET)
+    string(REGEX MATCH "clang version ([0-9]+)" _m "${_hipcc_version}")
+    set(_clang_major "${CMAKE_MATCH_1}")
+    execute_process(COMMAND hipconfig --hipclangpath OUTPUT_VARIABLE _hip_clang_dir
+                    OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+    find_program(HIPFERRY_HIP_CLANG NAMES amdclang++ clang++-${_clang_major} clang++
+                 HINTS "$ENV{ROCM_PATH}/llvm/bin" /opt/rocm/llvm/bin "${_hip_clang_dir}" NO_DEFAULT_PATH)
+    if(NOT HIPFERRY_HIP_CLANG)
+      message(FATAL_ERROR "hipferry: found hipcc but not the Clang it uses; set CXX to ROCm's clang++.")
+    endif()
+    set(CMAKE_CXX_COMPILER "${HIPFERRY_HIP_CLANG}")
   endif()
-endif()
-if(HIPFERRY_RESOLVED_TARGET STREQUAL "rocm" AND NOT CMAKE_CXX_COMPILER AND NOT DEFINED ENV{CXX})
-  execute_process(COMMAND "${HIPFERRY_HIPCC}" --version OUTPUT_VARIABLE _hipcc_version ERROR_QUIET)
-  string(REGEX MATCH "clang version ([0-9]+)" _m "${_hipcc_version}")
-  set(_clang_major "${CMAKE_MATCH_1}")
-  execute_process(COMMAND hipconfig --hipclangpath OUTPUT_VARIABLE _hip_clang_dir
-                  OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
-  find_program(HIPFERRY_HIP_CLANG NAMES amdclang++ clang++-${_clang_major} clang++
-               HINTS "$ENV{ROCM_PATH}/llvm/bin" /opt/rocm/llvm/bin "${_hip_clang_dir}" NO_DEFAULT_PATH)
-  if(NOT HIPFERRY_HIP_CLANG)
-    message(FATAL_ERROR "hipferry: found hipcc but not the Clang it uses; set CXX to ROCm's clang++.")
-  endif()
-  set(CMAKE_CXX_COMPILER "${HIPFERRY_HIP_CLANG}")
 endif()
 message(STATUS "hipferry: target ${HIPFERRY_RESOLVED_TARGET} (HIPFERRY_TARGET=${HIPFERRY_TARGET}, "
                "torch: ${HIPFERRY_TORCH_FLAVOR} ${HIPFERRY_TORCH_VERSION})")

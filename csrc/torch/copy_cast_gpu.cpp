@@ -43,12 +43,14 @@ void copy_cast_gpu_kernel(at::Tensor& dst, const at::Tensor& src) {
   TORCH_CHECK(src.is_cuda() || src.is_cpu(), "hipferry.copy_cast_: src must be on the CPU or a GPU, got ",
               src.device());
   const int device = current_torch_device();
-  for (const at::Tensor* t : {static_cast<const at::Tensor*>(&dst), &src}) {
-    TORCH_CHECK(!t->is_cuda() || t->device().index() == device, "hipferry.copy_cast_: ",
-                t == &dst ? "dst" : "src", " is on ", t->device(), " but the current device is cuda:",
-                device, "; expected tensors on the current device (use torch.cuda.device(...) or "
+  const auto check_on_current_device = [device](const at::Tensor& t, const char* name) {
+    TORCH_CHECK(!t.is_cuda() || t.device().index() == device, "hipferry.copy_cast_: ", name, " is on ",
+                t.device(), " but the current device is cuda:", device,
+                "; expected tensors on the current device (use torch.cuda.device(...) or "
                 "torch.cuda.set_device)");
-  }
+  };
+  check_on_current_device(dst, "dst");
+  check_on_current_device(src, "src");
   if (dst.numel() == 0 || copy_cast_is_noop(dst, src)) return;
 
   // Resolve both addresses before launching, so a rejected host tensor leaves dst untouched.

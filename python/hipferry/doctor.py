@@ -4,12 +4,12 @@ Exit code 0 when this build works on this machine; 1 with the reasons when it ca
 """
 import platform as py_platform
 import sys
-import time
 from typing import Dict, List
 
 import torch
 
 from . import platform as hf_platform
+from .bench import best_of_interleaved, gpu_timer, wall_timer
 from .ops import copy_cast_
 
 MiB = 1 << 20
@@ -41,36 +41,15 @@ def notes(build_target: str, torch_flavor: str, runtime_devices: int) -> List[st
     return out
 
 
-def _best_seconds(fn, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def _gpu_seconds(fn, repeats: int) -> float:
-    """Best time of fn on the current stream, measured with events."""
-    best = float("inf")
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3)
-    return best
-
-
 def measure_cpu_bandwidth(nbytes: int = 256 * MiB, repeats: int = 5) -> Dict[str, float]:
     """GB/s of host memory copy (torch copy_) and of hipferry's float32->bfloat16 pass,
     counting bytes read plus bytes written."""
     src = torch.rand(nbytes // 4)
     dst = torch.empty_like(src)
     dst16 = torch.empty(src.shape, dtype=torch.bfloat16)
-    copy_s = _best_seconds(lambda: dst.copy_(src), repeats)
-    cast_s = _best_seconds(lambda: copy_cast_(dst16, src), repeats)
+    best = best_of_interleaved({"copy": wall_timer(lambda: dst.copy_(src)),
+                                "cast": wall_timer(lambda: copy_cast_(dst16, src))}, repeats)
+    copy_s, cast_s = best["copy"], best["cast"]
     return {"host_copy_GBps": 2 * nbytes / copy_s / 1e9,
             "copy_cast_f32_to_bf16_GBps": 1.5 * nbytes / cast_s / 1e9}
 
@@ -83,8 +62,10 @@ def measure_gpu_bandwidth(device: int, nbytes: int = 64 * MiB, repeats: int = 5)
         out = {}
         for kind in ("pageable", "pinned"):
             h = torch.empty(nbytes, dtype=torch.uint8, pin_memory=(kind == "pinned"))
-            out[f"h2d_{kind}_GBps"] = nbytes / _gpu_seconds(lambda: d.copy_(h, non_blocking=True), repeats) / 1e9
-            out[f"d2h_{kind}_GBps"] = nbytes / _gpu_seconds(lambda: h.copy_(d, non_blocking=True), repeats) / 1e9
+            best = best_of_interleaved({"h2d": gpu_timer(lambda: d.copy_(h, non_blocking=True)),
+                                        "d2h": gpu_timer(lambda: h.copy_(d, non_blocking=True))}, repeats)
+            out[f"h2d_{kind}_GBps"] = nbytes / best["h2d"] / 1e9
+            out[f"d2h_{kind}_GBps"] = nbytes / best["d2h"] / 1e9
         return out
 
 

@@ -59,6 +59,20 @@ def wall_timer(fn: Callable[[], None]) -> Callable[[], float]:
     return timed
 
 
+def gpu_timer(fn: Callable[[], None]) -> Callable[[], float]:
+    """Seconds of fn's work on the current GPU stream, from timing events."""
+    import torch
+
+    def timed() -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    return timed
+
+
 def format_table(columns: List[str], rows: List[dict]) -> str:
     def cell(v):
         if isinstance(v, float):
