@@ -43,6 +43,8 @@ pybind11_add_module(_C MODULE
   csrc/torch/ops.cpp
   csrc/torch/copy_cast_checks.cpp
   csrc/torch/copy_cast_cpu.cpp
+  csrc/torch/pinned_pool.cpp
+  csrc/torch/pool_bindings.cpp
   csrc/torch/python_module.cpp)
 if(NOT HIPFERRY_RESOLVED_TARGET STREQUAL "cpu")
   target_sources(_C PRIVATE csrc/torch/copy_cast_gpu.cpp csrc/torch/current_stream.cpp)

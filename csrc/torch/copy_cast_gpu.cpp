@@ -14,6 +14,7 @@
 #include "runtime.h"
 #include "torch/copy_cast_checks.h"
 #include "torch/current_stream.h"
+#include "torch/pinned_pool.h"
 
 namespace hipferry {
 namespace {
@@ -64,7 +65,10 @@ void copy_cast_gpu_kernel(at::Tensor& dst, const at::Tensor& src) {
       gpu::launch_copy_cast(s, element_type_of(src), d, element_type_of(dst), dst.numel(), stream,
                             device);
     }
-  } catch (const rt::Error& e) {
+    // Pool blocks this copy reads or writes go back only after it has run.
+    record_pool_use(dst, device, stream);
+    record_pool_use(src, device, stream);
+  } catch (const std::exception& e) {
     TORCH_CHECK(false, e.what());
   }
 }

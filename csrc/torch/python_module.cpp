@@ -109,6 +109,10 @@ py::dict check_host_memory(int device, std::size_t bytes, unsigned flags, bool u
 
 }  // namespace
 
+namespace hipferry {
+void bind_pinned_pool(py::module_& m);  // pool_bindings.cpp
+}
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "hipferry native module: ops are under torch.ops.hipferry";
   py::register_exception<rt::Error>(m, "RuntimeLayerError", PyExc_RuntimeError);
@@ -117,4 +121,5 @@ PYBIND11_MODULE(_C, m) {
   m.def("device_info", &device_info, py::arg("device"));
   m.def("check_host_memory", &check_host_memory, py::arg("device"), py::arg("bytes"),
         py::arg("flags"), py::arg("use_register") = false);
+  bind_pinned_pool(m);
 }

@@ -7,6 +7,8 @@ import torch  # noqa: F401  (loads libc10/libtorch before the extension)
 from . import _C  # noqa: F401  (registers torch.ops.hipferry.*)
 from .ops import copy_cast_
 from .platform import build_info, device_count, device_info
+from .pool import PinnedPool, configure_default_pool, default_pool, pin
 
-__all__ = ["copy_cast_", "build_info", "device_count", "device_info", "__version__"]
+__all__ = ["copy_cast_", "build_info", "device_count", "device_info", "PinnedPool", "default_pool",
+           "configure_default_pool", "pin", "__version__"]
 __version__ = "0.1.0"

@@ -1,0 +1,544 @@
+// The pinned host pool; the design and its invariants are in Note [hipferry
+// pinned pool] in host_pool.h.
+#include "host_pool/host_pool.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <thread>
+
+#include "host_pool/size_classes.h"
+
+namespace hipferry::pool {
+namespace {
+
+std::string format_bytes(std::size_t bytes) {
+  char buf[64];
+  const double b = static_cast<double>(bytes);
+  if (bytes >= (std::size_t{1} << 30)) {
+    std::snprintf(buf, sizeof buf, "%zu bytes (%.2f GiB)", bytes, b / (1 << 30));
+  } else if (bytes >= (std::size_t{1} << 20)) {
+    std::snprintf(buf, sizeof buf, "%zu bytes (%.2f MiB)", bytes, b / (1 << 20));
+  } else {
+    std::snprintf(buf, sizeof buf, "%zu bytes", bytes);
+  }
+  return buf;
+}
+
+class CompletedEvent : public UseEvent {
+ public:
+  bool query() override { return true; }
+  void synchronize() override {}
+};
+
+}  // namespace
+
+HostSegment AlignedHostMemoryProvider::allocate(std::size_t bytes) {
+  void* p = std::aligned_alloc(4096, round_up(bytes, 4096));
+  if (p == nullptr) throw std::runtime_error("aligned_alloc: out of host memory for " + format_bytes(bytes));
+  return {p, mapped_ ? p : nullptr};
+}
+
+void AlignedHostMemoryProvider::release(const HostSegment& segment, std::size_t) noexcept {
+  std::free(segment.host);
+}
+
+std::unique_ptr<UseEvent> CompletedEventSource::record(const StreamUse&) {
+  return std::make_unique<CompletedEvent>();
+}
+
+HostPool::HostPool(std::unique_ptr<HostMemoryProvider> provider, std::unique_ptr<UseEventSource> events,
+                   PoolOptions options)
+    : options_(options), provider_(std::move(provider)), event_source_(std::move(events)) {
+  if (!provider_ || !event_source_) throw PoolError("hipferry pinned pool: provider and event source are required");
+  const auto require = [](bool ok, const char* what) {
+    if (!ok) throw PoolError(std::string("hipferry pinned pool: invalid options: expected ") + what);
+  };
+  require(options_.capacity >= kAlignment, "capacity >= 256 bytes");
+  require(options_.small_max % kAlignment == 0 && options_.small_max >= kAlignment,
+          "small_max a positive multiple of 256");
+  require(options_.small_segment_bytes >= options_.small_max, "small_segment_bytes >= small_max");
+  require(options_.own_segment_threshold > options_.small_max, "own_segment_threshold > small_max");
+  require(options_.large_segment_bytes >= options_.own_segment_threshold,
+          "large_segment_bytes >= own_segment_threshold");
+  require(options_.small_segment_bytes % kAlignment == 0 && options_.large_segment_bytes % kAlignment == 0,
+          "segment sizes that are multiples of 256");
+  stats_.capacity = options_.capacity;
+  if (options_.reserve_bytes > 0) {
+    const std::size_t bytes = round_up(options_.reserve_bytes, kOwnSegmentGranule);
+    if (bytes > options_.capacity) {
+      throw PoolCapacityError("hipferry pinned pool: reserve of " + format_bytes(bytes) +
+                              " exceeds the capacity of " + format_bytes(options_.capacity) +
+                              "; expected reserve <= capacity");
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    const HostSegment memory = provider_->allocate(bytes);
+    const auto t1 = std::chrono::steady_clock::now();
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++stats_.system_allocs;
+    stats_.system_alloc_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count();
+    add_segment(memory, bytes, SegmentKind::kReserve);
+  }
+}
+
+HostPool::~HostPool() {
+  // Nothing may still be transferring into memory that goes back to the system.
+  for (Waiting& w : waiting_) {
+    for (auto& e : w.events) {
+      try {
+        e->synchronize();
+      } catch (...) {
+      }
+    }
+  }
+  waiting_.clear();
+  for (auto& s : segments_) {
+    for (Block* b = s->first; b != nullptr;) {
+      Block* next = b->next;
+      delete b;
+      b = next;
+    }
+    provider_->release(s->memory, s->size);
+  }
+}
+
+std::set<HostPool::Block*, HostPool::BySizeThenAddress>& HostPool::free_set(SegmentKind kind) {
+  return kind == SegmentKind::kSmall ? free_small_ : free_large_;
+}
+
+HostPool::Block* HostPool::find_free(std::size_t size, bool small) {
+  auto& set = small ? free_small_ : free_large_;
+  Block key{};
+  key.size = size;
+  key.host = nullptr;
+  for (auto it = set.lower_bound(&key); it != set.end(); ++it) {
+    Block* b = *it;
+    // An own segment is never split; it serves a request that wastes <= 1/8 of it.
+    if (b->segment->kind != SegmentKind::kOwn || b->size - size <= b->size / 8) return b;
+  }
+  return nullptr;
+}
+
+HostPool::Allocation HostPool::hand_out(Block* b, std::size_t size, std::size_t requested) {
+  Segment* s = b->segment;
+  free_set(s->kind).erase(b);
+  free_bytes_ -= b->size;
+  if (b->size == s->size && s->kind != SegmentKind::kReserve) fully_free_bytes_ -= s->size;
+  const std::size_t rest = b->size - size;
+  if (s->kind != SegmentKind::kOwn && rest >= kAlignment) {
+    Block* r = new Block{b->host + size, rest, 0, s, b, b->next, BlockState::kFree, {}};
+    if (b->next != nullptr) b->next->prev = r;
+    b->next = r;
+    b->size = size;
+    free_set(s->kind).insert(r);
+    free_bytes_ += rest;
+  }
+  b->state = BlockState::kLive;
+  b->requested = requested;
+  live_.emplace(b->host, b);
+  stats_.requested_bytes += requested;
+  stats_.allocated_bytes += b->size;
+  ++stats_.live_blocks;
+  stats_.peak_requested_bytes = std::max(stats_.peak_requested_bytes, stats_.requested_bytes);
+  stats_.peak_allocated_bytes = std::max(stats_.peak_allocated_bytes, stats_.allocated_bytes);
+  void* device = s->memory.device == nullptr
+                     ? nullptr
+                     : static_cast<char*>(s->memory.device) + (b->host - static_cast<char*>(s->memory.host));
+  return {b->host, device, b->size};
+}
+
+HostPool::Segment* HostPool::add_segment(const HostSegment& memory, std::size_t size, SegmentKind kind) {
+  auto s = std::make_unique<Segment>(Segment{memory, size, kind, nullptr});
+  s->first = new Block{static_cast<char*>(memory.host), size, 0, s.get(), nullptr, nullptr, BlockState::kFree, {}};
+  free_set(kind).insert(s->first);
+  free_bytes_ += size;
+  if (kind != SegmentKind::kReserve) fully_free_bytes_ += size;
+  stats_.reserved_bytes += size;
+  stats_.peak_reserved_bytes = std::max(stats_.peak_reserved_bytes, stats_.reserved_bytes);
+  segments_.push_back(std::move(s));
+  return segments_.back().get();
+}
+
+HostPool::Allocation HostPool::allocate(std::size_t bytes) {
+  if (bytes == 0 || bytes > kMaxRequestBytes) {
+    throw PoolError("hipferry pinned pool: cannot allocate " + std::to_string(bytes) +
+                    " bytes; expected a size from 1 byte to 2^48 bytes");
+  }
+  const std::size_t size = size_class(bytes, options_.own_segment_threshold);
+  const bool small = size <= options_.small_max;
+  const auto closed_error = [] {
+    return PoolError("hipferry pinned pool: allocate on a closed pool; expected an open pool");
+  };
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (closed_) throw closed_error();
+    if (Block* b = find_free(size, small)) {
+      ++stats_.cache_hits;
+      return hand_out(b, size, bytes);
+    }
+  }
+  process_events();  // blocks whose work has completed may serve it
+
+  SegmentKind kind = small ? SegmentKind::kSmall
+                     : size > options_.own_segment_threshold ? SegmentKind::kOwn
+                                                             : SegmentKind::kLarge;
+  std::size_t segment_bytes = kind == SegmentKind::kSmall   ? options_.small_segment_bytes
+                              : kind == SegmentKind::kLarge ? options_.large_segment_bytes
+                                                            : size;
+  {
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      if (closed_) throw closed_error();
+      if (Block* b = find_free(size, small)) {
+        ++stats_.cache_hits;
+        return hand_out(b, size, bytes);
+      }
+      if (segment_bytes <= options_.capacity - stats_.reserved_bytes - pending_bytes_) break;
+      // Over the cap: first give back cached free segments...
+      SegmentList cached;
+      collect_free_segments(0, false, cached);
+      if (!cached.empty()) {
+        lock.unlock();
+        release_segments(cached);
+        lock.lock();
+        continue;
+      }
+      // ...then take no more than the block needs...
+      if (segment_bytes > size) {
+        segment_bytes = size;
+        continue;
+      }
+      // ...then wait for blocks parked on asynchronous work.
+      if (!waiting_.empty() || waiting_in_flight_ > 0) {
+        lock.unlock();
+        if (!wait_for_waiting_blocks()) std::this_thread::yield();  // another thread polls them
+        lock.lock();
+        continue;
+      }
+      throw_capacity(bytes, segment_bytes);
+    }
+    ++stats_.cache_misses;
+    pending_bytes_ += segment_bytes;
+  }
+
+  HostSegment memory;
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    memory = provider_->allocate(segment_bytes);
+  } catch (const std::exception& e) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    pending_bytes_ -= segment_bytes;
+    throw PoolError("hipferry pinned pool: " + provider_->describe() + " could not allocate " +
+                    format_bytes(segment_bytes) + ": " + e.what());
+  }
+  const auto t1 = std::chrono::steady_clock::now();
+  std::lock_guard<std::mutex> lock(mutex_);
+  pending_bytes_ -= segment_bytes;
+  ++stats_.system_allocs;
+  stats_.system_alloc_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count();
+  Segment* s = add_segment(memory, segment_bytes, kind);
+  return hand_out(s->first, size, bytes);
+}
+
+void HostPool::record_use(void* host, StreamUse use) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = live_.find(host);
+  if (it == live_.end()) {
+    throw PoolError("hipferry pinned pool: record_use on an address that is not a live block of this pool; "
+                    "expected memory allocated by this pool and not yet freed");
+  }
+  auto& uses = it->second->uses;
+  for (const StreamUse& u : uses) {
+    if (u == use) return;
+  }
+  uses.push_back(use);
+}
+
+void HostPool::deallocate(void* host) {
+  SegmentList to_release;
+  std::vector<StreamUse> uses;
+  Block* b = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = live_.find(host);
+    if (it == live_.end()) {
+      throw PoolError("hipferry pinned pool: deallocate of an address that is not a live block of this pool "
+                      "(freed twice, or not from this pool)");
+    }
+    b = it->second;
+    live_.erase(it);
+    stats_.requested_bytes -= b->requested;
+    b->requested = 0;
+    --stats_.live_blocks;
+    if (b->uses.empty()) {
+      stats_.allocated_bytes -= b->size;
+      free_block(b, to_release);
+    } else {
+      uses.swap(b->uses);
+      b->state = BlockState::kWaiting;
+      ++stats_.waiting_blocks;
+      stats_.waiting_bytes += b->size;
+      ++waiting_in_flight_;
+    }
+  }
+  if (!uses.empty()) {
+    Waiting w{b, {}};
+    try {
+      for (const StreamUse& u : uses) w.events.push_back(event_source_->record(u));
+    } catch (const std::exception& e) {
+      // Without an event nobody can tell when the stream is done with the
+      // block: it stays out of use (counted as waiting) rather than risk reuse.
+      std::lock_guard<std::mutex> lock(mutex_);
+      --waiting_in_flight_;
+      throw PoolError(std::string("hipferry pinned pool: could not record a stream event for a freed block; "
+                                  "the block is kept out of use: ") + e.what());
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    --waiting_in_flight_;
+    waiting_.push_back(std::move(w));
+  }
+  release_segments(to_release);
+}
+
+void HostPool::free_block(Block* b, SegmentList& to_release) {
+  Segment* s = b->segment;
+  auto& set = free_set(s->kind);
+  b->state = BlockState::kFree;
+  b->requested = 0;
+  b->uses.clear();
+  if (b->prev != nullptr && b->prev->state == BlockState::kFree) {
+    Block* p = b->prev;
+    set.erase(p);
+    free_bytes_ -= p->size;
+    p->size += b->size;
+    p->next = b->next;
+    if (b->next != nullptr) b->next->prev = p;
+    delete b;
+    b = p;
+  }
+  if (b->next != nullptr && b->next->state == BlockState::kFree) {
+    Block* n = b->next;
+    set.erase(n);
+    free_bytes_ -= n->size;
+    b->size += n->size;
+    b->next = n->next;
+    if (n->next != nullptr) n->next->prev = b;
+    delete n;
+  }
+  set.insert(b);
+  free_bytes_ += b->size;
+  if (b->size != s->size) return;
+  if (s->kind != SegmentKind::kReserve) fully_free_bytes_ += s->size;
+  if (closed_) {
+    collect_free_segments(0, true, to_release);
+  } else if (fully_free_bytes_ > options_.max_cached_bytes) {
+    collect_free_segments(options_.max_cached_bytes, false, to_release);
+  }
+}
+
+void HostPool::collect_free_segments(std::size_t keep_cached, bool include_reserve, SegmentList& out) {
+  for (std::size_t i = 0; i < segments_.size();) {
+    Segment* s = segments_[i].get();
+    const bool fully_free = s->first->state == BlockState::kFree && s->first->size == s->size;
+    const bool reserve = s->kind == SegmentKind::kReserve;
+    if (fully_free && (reserve ? include_reserve : fully_free_bytes_ > keep_cached)) {
+      free_set(s->kind).erase(s->first);
+      free_bytes_ -= s->size;
+      if (!reserve) fully_free_bytes_ -= s->size;
+      stats_.reserved_bytes -= s->size;
+      ++stats_.system_frees;
+      delete s->first;
+      s->first = nullptr;
+      out.push_back(std::move(segments_[i]));
+      segments_[i] = std::move(segments_.back());
+      segments_.pop_back();
+    } else {
+      ++i;
+    }
+  }
+}
+
+void HostPool::release_segments(const SegmentList& segments) {
+  for (const auto& s : segments) provider_->release(s->memory, s->size);
+}
+
+std::size_t HostPool::process_events() {
+  std::vector<Waiting> polling;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (waiting_.empty()) return 0;
+    polling.swap(waiting_);
+    waiting_in_flight_ += polling.size();
+  }
+  const std::size_t polled = polling.size();
+  std::vector<Block*> done;
+  std::vector<Waiting> pending;
+  for (Waiting& w : polling) {
+    bool complete = true;
+    for (auto& e : w.events) {
+      try {
+        complete = e->query();
+      } catch (...) {
+        complete = false;  // an error is not completion: keep the block parked
+      }
+      if (!complete) break;
+    }
+    if (complete) {
+      w.events.clear();  // event destruction may call the runtime: outside the lock
+      done.push_back(w.block);
+    } else {
+      pending.push_back(std::move(w));
+    }
+  }
+  SegmentList to_release;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    waiting_in_flight_ -= polled;
+    for (Block* b : done) {
+      --stats_.waiting_blocks;
+      stats_.waiting_bytes -= b->size;
+      stats_.allocated_bytes -= b->size;
+      free_block(b, to_release);
+    }
+    for (Waiting& w : pending) waiting_.push_back(std::move(w));
+  }
+  release_segments(to_release);
+  return done.size();
+}
+
+bool HostPool::wait_for_waiting_blocks() {
+  std::vector<Waiting> polling;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (waiting_.empty()) return false;
+    polling.swap(waiting_);
+    waiting_in_flight_ += polling.size();
+  }
+  for (Waiting& w : polling) {
+    for (auto& e : w.events) {
+      try {
+        e->synchronize();
+      } catch (...) {
+      }
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    waiting_in_flight_ -= polling.size();
+    waiting_.insert(waiting_.end(), std::make_move_iterator(polling.begin()),
+                    std::make_move_iterator(polling.end()));
+  }
+  process_events();  // now completes them (or keeps those whose query still fails)
+  return true;
+}
+
+std::size_t HostPool::trim() {
+  process_events();
+  SegmentList freed;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    collect_free_segments(0, false, freed);
+  }
+  release_segments(freed);
+  std::size_t bytes = 0;
+  for (const auto& s : freed) bytes += s->size;
+  return bytes;
+}
+
+void HostPool::close() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    closed_ = true;
+  }
+  process_events();
+  SegmentList freed;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    collect_free_segments(0, true, freed);
+  }
+  release_segments(freed);
+}
+
+bool HostPool::closed() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return closed_;
+}
+
+bool HostPool::owns(const void* host) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return live_.count(const_cast<void*>(host)) != 0;
+}
+
+PoolStats HostPool::stats() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  PoolStats s = stats_;
+  s.cached_free_bytes = free_bytes_;
+  s.segments = segments_.size();
+  return s;
+}
+
+void HostPool::throw_capacity(std::size_t bytes, std::size_t segment_bytes) const {
+  throw PoolCapacityError(
+      "hipferry pinned pool: cannot allocate " + format_bytes(bytes) + ": capacity is " +
+      format_bytes(options_.capacity) + ", " + format_bytes(stats_.requested_bytes) + " in use (" +
+      format_bytes(stats_.allocated_bytes) + " in blocks), " + format_bytes(free_bytes_) +
+      " cached but too fragmented to serve it, " + format_bytes(pending_bytes_) +
+      " being allocated by other threads; a new segment of " + format_bytes(segment_bytes) +
+      " would exceed the capacity. Free tensors from this pool or create it with a larger capacity");
+}
+
+void HostPool::check_invariants() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const auto fail = [](const std::string& what) { throw std::logic_error("hipferry pinned pool invariant: " + what); };
+  std::size_t reserved = 0, allocated = 0, free_bytes = 0, fully_free = 0, live = 0, waiting = 0;
+  std::size_t free_small = 0, free_large = 0, requested = 0;
+  for (const auto& s : segments_) {
+    reserved += s->size;
+    const char* expect = static_cast<const char*>(s->memory.host);
+    const Block* prev = nullptr;
+    for (const Block* b = s->first; b != nullptr; prev = b, b = b->next) {
+      if (b->segment != s.get()) fail("block points at another segment");
+      if (b->prev != prev) fail("broken prev link");
+      if (b->host != expect) fail("blocks do not tile their segment (gap or overlap)");
+      if (b->size == 0 || b->size % kAlignment != 0) fail("block size not a positive multiple of 256");
+      expect += b->size;
+      if (b->state == BlockState::kFree) {
+        free_bytes += b->size;
+        if (prev != nullptr && prev->state == BlockState::kFree && s->kind != SegmentKind::kOwn)
+          fail("two free neighbours not coalesced");
+        const auto& set = s->kind == SegmentKind::kSmall ? free_small_ : free_large_;
+        if (set.count(const_cast<Block*>(b)) == 0) fail("free block missing from its free set");
+        (s->kind == SegmentKind::kSmall ? free_small : free_large) += 1;
+        if (b->size == s->size && s->kind != SegmentKind::kReserve) fully_free += s->size;
+      } else {
+        allocated += b->size;
+        if (b->state == BlockState::kLive) {
+          ++live;
+          requested += b->requested;
+          auto it = live_.find(b->host);
+          if (it == live_.end() || it->second != b) fail("live block missing from the live map");
+        } else {
+          ++waiting;
+        }
+      }
+    }
+    if (expect != static_cast<const char*>(s->memory.host) + s->size) fail("blocks do not cover their segment");
+  }
+  if (free_small != free_small_.size() || free_large != free_large_.size()) fail("free sets hold non-free blocks");
+  if (reserved != stats_.reserved_bytes) fail("reserved_bytes != sum of segment sizes");
+  if (allocated != stats_.allocated_bytes) fail("allocated_bytes != live + waiting blocks");
+  if (free_bytes != free_bytes_) fail("free byte count drifted");
+  if (reserved != allocated + free_bytes) fail("reserved != allocated + free");
+  if (fully_free != fully_free_bytes_) fail("fully free segment bytes drifted");
+  if (live != live_.size() || live != stats_.live_blocks) fail("live block count drifted");
+  if (requested != stats_.requested_bytes) fail("requested_bytes drifted");
+  if (waiting != stats_.waiting_blocks || waiting < waiting_.size() + waiting_in_flight_)
+    fail("waiting block count drifted");
+  for (const Waiting& w : waiting_) {
+    if (w.block->state != BlockState::kWaiting) fail("a parked block is not waiting");
+  }
+  if (stats_.reserved_bytes + pending_bytes_ > options_.capacity) fail("capacity exceeded");
+}
+
+}  // namespace hipferry::pool

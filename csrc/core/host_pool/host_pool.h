@@ -1,0 +1,204 @@
+// The pinned host memory pool: every hipferry capability allocates host
+// memory here.
+//
+// Note [hipferry pinned pool]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Segments come from a HostMemoryProvider (hipHostMalloc, hipHostRegister,
+// or ordinary memory) and are carved into blocks:
+//   - small requests (<= small_max) are rounded to their size class and carved
+//     from small segments; medium requests (<= own_segment_threshold) likewise
+//     from large segments (and from the reserve); a free block is split when
+//     the rest is worth keeping, and a freed block merges with free address
+//     neighbours, so a segment whose blocks are all free is one free block.
+//   - larger requests get a segment of their own, which is never split; a
+//     cached one serves a later request that wastes at most 1/8 of it.
+//   - lookup is best fit: the smallest free block (then the lowest address)
+//     that is large enough, O(log n) in a std::set.
+// Stream-ordered reuse: record_use() notes each stream that used a live
+// block; deallocate() of such a block records one event per stream and parks
+// the block as "waiting"; it becomes free only once all its events completed.
+// Waiting blocks are polled on a cache miss, by process_events() and by
+// trim(); when the capacity would be exceeded the pool also blocks on them.
+//
+// Invariants (check_invariants() verifies them all):
+//   - the blocks of a segment tile it exactly, in address order; no two
+//     live or waiting blocks overlap; no two free neighbours exist;
+//   - reserved_bytes == sum of segment sizes == allocated_bytes (live and
+//     waiting blocks) + free bytes (free blocks);
+//   - reserved_bytes + bytes being allocated from the provider <= capacity,
+//     at every moment: the pool never grows past its cap;
+//   - a waiting block is never handed out.
+//
+// Locking: one mutex (`mutex_`) guards every field below it. It is never held
+// across a call into the provider or the event source (runtime calls can take
+// milliseconds and driver-wide locks); such calls happen between two critical
+// sections, with the affected blocks and segments removed from every shared
+// structure (or capacity set aside in `pending_bytes_`) in the first one. A
+// cached allocation therefore makes no runtime call at all.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "host_pool/host_memory_provider.h"
+
+namespace hipferry::pool {
+
+// Misuse of the pool: zero or absurd sizes, foreign pointers, a closed pool.
+class PoolError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// The capacity would be exceeded even after reclaiming what could be.
+class PoolCapacityError : public PoolError {
+ public:
+  using PoolError::PoolError;
+};
+
+struct PoolOptions {
+  std::size_t capacity = SIZE_MAX;          // hard cap on reserved bytes
+  std::size_t max_cached_bytes = SIZE_MAX;  // fully free segments beyond this go back at once
+  std::size_t reserve_bytes = 0;            // pre-allocated at construction, kept by trim()
+  std::size_t small_max = std::size_t{1} << 20;              // small requests: <= this
+  std::size_t small_segment_bytes = std::size_t{2} << 20;    // segment size for small blocks
+  std::size_t large_segment_bytes = std::size_t{32} << 20;   // segment size for medium blocks
+  std::size_t own_segment_threshold = std::size_t{16} << 20; // above: a segment of its own
+};
+
+struct PoolStats {
+  std::size_t requested_bytes = 0;  // sum of live requests as asked
+  std::size_t allocated_bytes = 0;  // blocks live or waiting on events (rounded sizes)
+  std::size_t reserved_bytes = 0;   // segments held from the provider
+  std::size_t peak_requested_bytes = 0;
+  std::size_t peak_allocated_bytes = 0;
+  std::size_t peak_reserved_bytes = 0;
+  std::size_t cached_free_bytes = 0;  // free blocks, ready for reuse
+  std::size_t live_blocks = 0;
+  std::size_t waiting_blocks = 0;  // freed, parked until their events complete
+  std::size_t waiting_bytes = 0;
+  std::size_t segments = 0;
+  std::uint64_t cache_hits = 0;    // allocations served without the provider
+  std::uint64_t cache_misses = 0;  // allocations that needed a new segment
+  std::uint64_t system_allocs = 0;
+  std::uint64_t system_frees = 0;
+  std::uint64_t system_alloc_ns = 0;  // time spent inside provider allocate()
+  std::size_t capacity = 0;
+};
+
+class HostPool {
+ public:
+  struct Allocation {
+    void* host = nullptr;
+    void* device = nullptr;  // nullptr when the provider's memory is not mapped
+    std::size_t size = 0;    // block size, >= the request
+  };
+
+  // Throws PoolError for inconsistent options, PoolCapacityError when the
+  // reserve exceeds the capacity, and the provider's error if it fails.
+  HostPool(std::unique_ptr<HostMemoryProvider> provider, std::unique_ptr<UseEventSource> events,
+           PoolOptions options = {});
+  // Waits for the events of waiting blocks, then releases every segment.
+  ~HostPool();
+  HostPool(const HostPool&) = delete;
+  HostPool& operator=(const HostPool&) = delete;
+
+  // A block of at least `bytes` (1 <= bytes <= kMaxRequestBytes), aligned to kAlignment.
+  Allocation allocate(std::size_t bytes);
+  // Notes that asynchronous work on `use` reads or writes the live block at
+  // `host`; deallocate() then parks the block until that work is done.
+  void record_use(void* host, StreamUse use);
+  // Returns the live block at `host` (as returned by allocate). Throws
+  // PoolError for a pointer that is not a live block of this pool.
+  void deallocate(void* host);
+
+  // Frees waiting blocks whose events have completed; returns how many.
+  std::size_t process_events();
+  // Returns cached fully free segments (not the reserve) to the provider; returns bytes released.
+  std::size_t trim();
+  // No more allocations; cached memory and the reserve go back now, the rest
+  // as it is freed. Idempotent.
+  void close();
+  bool closed() const;
+
+  PoolStats stats() const;
+  const PoolOptions& options() const { return options_; }
+  std::string provider_name() const { return provider_->describe(); }
+  // True when `host` is the start of a live block of this pool.
+  bool owns(const void* host) const;
+  // Throws std::logic_error naming the first violated invariant.
+  void check_invariants() const;
+
+ private:
+  enum class SegmentKind : std::uint8_t { kSmall, kLarge, kOwn, kReserve };
+  enum class BlockState : std::uint8_t { kFree, kLive, kWaiting };
+  struct Segment;
+  struct Block {
+    char* host;            // start address
+    std::size_t size;      // bytes, a multiple of kAlignment
+    std::size_t requested; // bytes asked for while live, 0 otherwise
+    Segment* segment;
+    Block* prev;           // address neighbours inside the segment
+    Block* next;
+    BlockState state;
+    std::vector<StreamUse> uses;  // streams recorded while live
+  };
+  struct Segment {
+    HostSegment memory;
+    std::size_t size;
+    SegmentKind kind;
+    Block* first;
+  };
+  struct BySizeThenAddress {
+    bool operator()(const Block* a, const Block* b) const {
+      return a->size != b->size ? a->size < b->size : a->host < b->host;
+    }
+  };
+  struct Waiting {
+    Block* block;
+    std::vector<std::unique_ptr<UseEvent>> events;
+  };
+  using SegmentList = std::vector<std::unique_ptr<Segment>>;
+
+  // All below: mutex_ held.
+  std::set<Block*, BySizeThenAddress>& free_set(SegmentKind kind);
+  Block* find_free(std::size_t size, bool small);
+  Allocation hand_out(Block* block, std::size_t size, std::size_t requested);
+  void free_block(Block* block, SegmentList& to_release);
+  void detach_segment(Segment* segment);
+  void collect_free_segments(std::size_t keep_cached, bool include_reserve, SegmentList& out);
+  Segment* add_segment(const HostSegment& memory, std::size_t size, SegmentKind kind);
+  [[noreturn]] void throw_capacity(std::size_t bytes, std::size_t segment_bytes) const;
+
+  // No lock held.
+  void release_segments(const SegmentList& segments);
+  bool wait_for_waiting_blocks();
+
+  // Fixed at construction; no lock needed.
+  const PoolOptions options_;
+  const std::unique_ptr<HostMemoryProvider> provider_;
+  const std::unique_ptr<UseEventSource> event_source_;  // outlives every event below
+
+  mutable std::mutex mutex_;
+  // --- guarded by mutex_ ---
+  std::set<Block*, BySizeThenAddress> free_small_;  // free blocks of small segments
+  std::set<Block*, BySizeThenAddress> free_large_;  // free blocks of large, own and reserve segments
+  std::unordered_map<void*, Block*> live_;          // live blocks by host address
+  std::vector<Waiting> waiting_;                     // parked blocks with their events
+  std::size_t waiting_in_flight_ = 0;  // waiting blocks taken out of waiting_ to be polled
+  std::vector<std::unique_ptr<Segment>> segments_;
+  std::size_t pending_bytes_ = 0;      // capacity set aside for provider allocations in progress
+  std::size_t fully_free_bytes_ = 0;   // bytes in non-reserve segments that are one free block
+  bool closed_ = false;
+  PoolStats stats_;                    // counters; cached_free_bytes etc. derived in stats()
+  std::size_t free_bytes_ = 0;         // sum of free block sizes
+};
+
+}  // namespace hipferry::pool

@@ -1,0 +1,119 @@
+// Pinned pools for torch (see pinned_pool.h).
+#include "torch/pinned_pool.h"
+
+#include <ATen/ops/empty.h>
+#include <c10/core/Storage.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <mutex>
+#include <unordered_map>
+
+#include "pinned_memory.h"
+
+namespace hipferry {
+namespace {
+
+std::mutex registry_mutex;  // guards registry and next_id
+std::unordered_map<std::int64_t, std::shared_ptr<pool::HostPool>> registry;
+std::int64_t next_id = 1;
+
+// The DataPtr context of a pool tensor's storage: keeps the pool alive while
+// any tensor uses one of its blocks.
+struct PoolBlock {
+  std::shared_ptr<pool::HostPool> pool;
+  void* host;
+};
+
+void delete_pool_block(void* context) {
+  auto* block = static_cast<PoolBlock*>(context);
+  try {
+    block->pool->deallocate(block->host);
+  } catch (const std::exception& e) {  // a deleter must not throw
+    TORCH_WARN("hipferry: returning a block to its pinned pool failed: ", e.what());
+  }
+  delete block;
+}
+
+const PoolBlock* pool_block_of(const at::Tensor& t) {
+  if (!t.defined() || !t.has_storage() || !t.is_cpu()) return nullptr;
+  const c10::DataPtr& dp = t.storage().data_ptr();
+  if (dp.get_deleter() != &delete_pool_block) return nullptr;
+  return static_cast<const PoolBlock*>(dp.get_context());
+}
+
+}  // namespace
+
+std::int64_t create_pinned_pool(const PinnedPoolConfig& config) {
+  auto provider = make_host_memory_provider(config.provider, config.flags, config.register_threads);
+  auto pool = std::make_shared<pool::HostPool>(std::move(provider), make_use_event_source(), config.options);
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  const std::int64_t id = next_id++;
+  registry.emplace(id, std::move(pool));
+  return id;
+}
+
+std::shared_ptr<pool::HostPool> pinned_pool(std::int64_t id) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  auto it = registry.find(id);
+  TORCH_CHECK(it != registry.end(), "hipferry: pinned pool ", id,
+              " does not exist (it was closed); expected an open PinnedPool");
+  return it->second;
+}
+
+void destroy_pinned_pool(std::int64_t id) {
+  std::shared_ptr<pool::HostPool> pool;
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    auto it = registry.find(id);
+    if (it == registry.end()) return;
+    pool = std::move(it->second);
+    registry.erase(it);
+  }
+  pool->close();  // outside the registry lock: it releases memory
+}
+
+at::Tensor pool_empty(std::int64_t pool_id, at::IntArrayRef sizes, at::ScalarType dtype) {
+  std::int64_t numel = 1;
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    TORCH_CHECK(sizes[i] >= 0, "hipferry.PinnedPool.empty: size has a negative dimension ", sizes[i],
+                " at index ", i, "; expected sizes >= 0");
+    TORCH_CHECK(sizes[i] == 0 || numel <= (std::int64_t{1} << 50) / sizes[i],
+                "hipferry.PinnedPool.empty: size ", sizes, " has more than 2^50 elements; expected a size that fits in host memory");
+    numel *= sizes[i];
+  }
+  TORCH_CHECK(!c10::isQIntType(dtype) && dtype != at::ScalarType::Undefined,
+              "hipferry.PinnedPool.empty: dtype ", dtype, " cannot be allocated as plain memory; expected a "
+              "non-quantized dtype");
+  const auto options = at::TensorOptions().dtype(dtype).device(at::kCPU);
+  const std::size_t nbytes = static_cast<std::size_t>(numel) * c10::elementSize(dtype);
+  auto pool = pinned_pool(pool_id);
+  if (nbytes == 0) {
+    TORCH_CHECK(!pool->closed(), "hipferry.PinnedPool.empty: the pool is closed; expected an open pool");
+    return at::empty(sizes, options);
+  }
+  pool::HostPool::Allocation block;
+  try {
+    block = pool->allocate(nbytes);
+  } catch (const pool::PoolCapacityError& e) {
+    TORCH_CHECK_WITH(OutOfMemoryError, false, e.what());
+  } catch (const pool::PoolError& e) {
+    TORCH_CHECK(false, e.what());
+  }
+  auto* context = new PoolBlock{pool, block.host};
+  c10::DataPtr data(block.host, context, &delete_pool_block, c10::Device(c10::kCPU));
+  c10::Storage storage(c10::Storage::use_byte_size_t(), nbytes, std::move(data), /*allocator=*/nullptr,
+                       /*resizable=*/false);
+  return at::empty({0}, options).set_(std::move(storage), 0, sizes);
+}
+
+bool record_pool_use(const at::Tensor& t, int device, void* stream) {
+  const PoolBlock* block = pool_block_of(t);
+  if (block == nullptr) return false;
+  block->pool->record_use(block->host, pool::StreamUse{device, stream});
+  return true;
+}
+
+TORCH_LIBRARY_IMPL(hipferry, CompositeExplicitAutograd, m) { m.impl("pool_empty", &pool_empty); }
+
+}  // namespace hipferry

@@ -1,0 +1,38 @@
+// Pinned pools as seen by torch: a registry of pools by id (Python holds the
+// id; tensors hold the pool itself), tensors whose storage is a pool block,
+// and stream-use recording for tensors that came from a pool.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "host_pool/host_pool.h"
+
+namespace hipferry {
+
+struct PinnedPoolConfig {
+  std::string provider = "auto";  // see make_host_memory_provider
+  unsigned flags = 0;             // rt::HostAllocFlags
+  int register_threads = 8;
+  pool::PoolOptions options;
+};
+
+// Creates a pool and returns its id. Throws pool::PoolError for bad options.
+std::int64_t create_pinned_pool(const PinnedPoolConfig& config);
+// The pool with this id; TORCH_CHECK fails naming the id if there is none.
+std::shared_ptr<pool::HostPool> pinned_pool(std::int64_t id);
+// Closes the pool and forgets the id; tensors from it stay valid.
+void destroy_pinned_pool(std::int64_t id);
+
+// A CPU tensor of `sizes` and `dtype` whose storage is one block of the pool;
+// the block goes back when the storage dies (every view of it included).
+at::Tensor pool_empty(std::int64_t pool_id, at::IntArrayRef sizes, at::ScalarType dtype);
+
+// If `t`'s storage is a pool block, notes that `stream` on `device` uses it
+// (deallocation then waits for that work). Returns false for other tensors.
+bool record_pool_use(const at::Tensor& t, int device, void* stream);
+
+}  // namespace hipferry

@@ -1,0 +1,123 @@
+// Python bindings of the pinned pool (hipferry._C.*pinned_pool*, pool_*).
+// Tensors are made by the op torch.ops.hipferry.pool_empty; these functions
+// manage pools by id. python/hipferry/pool.py is the public wrapper.
+#include <ATen/ops/empty.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <vector>
+
+#include "torch/pinned_pool.h"
+
+namespace py = pybind11;
+
+namespace hipferry {
+namespace {
+
+py::dict pool_stats(std::int64_t id) {
+  const pool::PoolStats s = pinned_pool(id)->stats();
+  py::dict d;
+  d["requested_bytes"] = s.requested_bytes;
+  d["allocated_bytes"] = s.allocated_bytes;
+  d["reserved_bytes"] = s.reserved_bytes;
+  d["peak_requested_bytes"] = s.peak_requested_bytes;
+  d["peak_allocated_bytes"] = s.peak_allocated_bytes;
+  d["peak_reserved_bytes"] = s.peak_reserved_bytes;
+  d["cached_free_bytes"] = s.cached_free_bytes;
+  d["live_blocks"] = s.live_blocks;
+  d["waiting_blocks"] = s.waiting_blocks;
+  d["waiting_bytes"] = s.waiting_bytes;
+  d["segments"] = s.segments;
+  d["cache_hits"] = s.cache_hits;
+  d["cache_misses"] = s.cache_misses;
+  d["system_allocs"] = s.system_allocs;
+  d["system_frees"] = s.system_frees;
+  d["system_alloc_seconds"] = static_cast<double>(s.system_alloc_ns) * 1e-9;
+  d["capacity"] = s.capacity;
+  return d;
+}
+
+std::int64_t create(const std::string& provider, unsigned flags, int register_threads, std::size_t capacity,
+                    std::size_t max_cached_bytes, std::size_t reserve_bytes) {
+  PinnedPoolConfig config;
+  config.provider = provider;
+  config.flags = flags;
+  config.register_threads = register_threads;
+  config.options.capacity = capacity;
+  config.options.max_cached_bytes = max_cached_bytes;
+  config.options.reserve_bytes = reserve_bytes;
+  py::gil_scoped_release no_gil;  // the reserve may take a while to pin
+  return create_pinned_pool(config);
+}
+
+// Nanoseconds of each of `iterations` allocate+free pairs of `bytes`, after
+// one warm-up pair: the cached path, timed without Python in the loop.
+// kind: "pool_core" (HostPool directly), "pool_tensor" (pool_empty + free),
+// "torch_pinned" (at::empty(pin_memory=True)), "torch_cpu" (at::empty).
+std::vector<std::int64_t> bench_alloc_free(const std::string& kind, std::int64_t id, std::size_t bytes,
+                                           int iterations) {
+  const auto byte_options = at::TensorOptions().dtype(at::kByte);
+  const std::int64_t n = static_cast<std::int64_t>(bytes);
+  std::function<void()> pair;
+  std::shared_ptr<pool::HostPool> pool;
+  if (kind == "pool_core") {
+    pool = pinned_pool(id);
+    pair = [&] { pool->deallocate(pool->allocate(bytes).host); };
+  } else if (kind == "pool_tensor") {
+    pair = [&] { (void)pool_empty(id, {n}, at::kByte); };
+  } else if (kind == "torch_pinned") {
+    pair = [&] { (void)at::empty({n}, byte_options.pinned_memory(true)); };
+  } else if (kind == "torch_cpu") {
+    pair = [&] { (void)at::empty({n}, byte_options); };
+  } else {
+    throw std::invalid_argument("bench_alloc_free: kind must be pool_core, pool_tensor, torch_pinned or "
+                                "torch_cpu, got '" + kind + "'");
+  }
+  py::gil_scoped_release no_gil;
+  pair();
+  std::vector<std::int64_t> ns(static_cast<std::size_t>(std::max(iterations, 0)));
+  for (auto& t : ns) {
+    const auto t0 = std::chrono::steady_clock::now();
+    pair();
+    t = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+  }
+  return ns;
+}
+
+}  // namespace
+
+void bind_pinned_pool(py::module_& m) {
+  py::register_exception<pool::PoolError>(m, "PoolError", PyExc_RuntimeError);
+  m.def("create_pinned_pool", &create, py::arg("provider"), py::arg("flags"), py::arg("register_threads"),
+        py::arg("capacity"), py::arg("max_cached_bytes"), py::arg("reserve_bytes"));
+  m.def("destroy_pinned_pool", [](std::int64_t id) {
+    py::gil_scoped_release no_gil;
+    destroy_pinned_pool(id);
+  });
+  m.def("pool_stats", &pool_stats);
+  m.def("pool_trim", [](std::int64_t id) {
+    auto pool = pinned_pool(id);
+    py::gil_scoped_release no_gil;
+    return pool->trim();
+  });
+  m.def("pool_process_events", [](std::int64_t id) {
+    auto pool = pinned_pool(id);
+    py::gil_scoped_release no_gil;
+    return pool->process_events();
+  });
+  m.def("pool_provider", [](std::int64_t id) { return pinned_pool(id)->provider_name(); });
+  m.def("pool_check_invariants", [](std::int64_t id) { pinned_pool(id)->check_invariants(); });
+  m.def("pool_owns", [](std::int64_t id, std::uintptr_t host) {
+    return pinned_pool(id)->owns(reinterpret_cast<void*>(host));
+  });
+  m.def("pool_record_use", [](std::int64_t id, std::uintptr_t host, int device, std::uintptr_t stream) {
+    pinned_pool(id)->record_use(reinterpret_cast<void*>(host), pool::StreamUse{device, reinterpret_cast<void*>(stream)});
+  });
+  m.def("pool_bench_alloc_free", &bench_alloc_free, py::arg("kind"), py::arg("pool"), py::arg("bytes"),
+        py::arg("iterations"));
+}
+
+}  // namespace hipferry

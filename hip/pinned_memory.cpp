@@ -1,0 +1,157 @@
+// Backends of the pinned pool on the runtime layer (see pinned_memory.h).
+#include "pinned_memory.h"
+
+#include <cstdlib>
+#include <stdexcept>
+#include <thread>
+
+#include "host_pool/size_classes.h"
+
+namespace hipferry {
+namespace {
+
+constexpr std::size_t kPage = 4096;
+constexpr std::size_t kHugePage = std::size_t{2} << 20;
+
+class RuntimeUseEvent : public pool::UseEvent {
+ public:
+  RuntimeUseEvent(RuntimeEventSource* source, std::unique_ptr<rt::Event> event, int device)
+      : source_(source), event_(std::move(event)), device_(device) {}
+  ~RuntimeUseEvent() override { source_->give_back(std::move(event_), device_); }
+  bool query() override { return event_->query(); }
+  void synchronize() override { event_->synchronize(); }
+
+ private:
+  RuntimeEventSource* source_;  // outlives the event: the pool destroys events first
+  std::unique_ptr<rt::Event> event_;
+  int device_;
+};
+
+void touch_pages(char* p, std::size_t bytes, int threads) {
+  const std::size_t pages = bytes / kPage;
+  const auto touch = [p](std::size_t first, std::size_t last) {
+    for (std::size_t i = first; i < last; ++i) p[i * kPage] = 0;
+  };
+  const std::size_t n = threads > 1 ? static_cast<std::size_t>(threads) : 1;
+  std::vector<std::thread> workers;
+  for (std::size_t t = 1; t < n; ++t) workers.emplace_back(touch, pages * t / n, pages * (t + 1) / n);
+  touch(0, pages / n);
+  for (auto& w : workers) w.join();
+}
+
+}  // namespace
+
+std::string describe_host_flags(unsigned flags) {
+  std::string s;
+  const auto add = [&s](const char* name) { s += s.empty() ? name : std::string("|") + name; };
+  if (flags & rt::kHostPortable) add("portable");
+  if (flags & rt::kHostMapped) add("mapped");
+  if (flags & rt::kHostWriteCombined) add("write_combined");
+  if (flags & rt::kHostNumaUser) add("numa_user");
+  if (flags & rt::kHostCoherent) add("coherent");
+  if (flags & rt::kHostNonCoherent) add("non_coherent");
+  return s.empty() ? "default" : s;
+}
+
+pool::HostSegment HostAllocProvider::allocate(std::size_t bytes) {
+  void* p = rt::host_alloc(bytes, flags_);
+  void* device = nullptr;
+  if (flags_ & rt::kHostMapped) {
+    try {
+      device = rt::host_device_pointer(p);
+    } catch (...) {
+      rt::host_free(p);
+      throw;
+    }
+  }
+  return {p, device};
+}
+
+void HostAllocProvider::release(const pool::HostSegment& segment, std::size_t) noexcept {
+  try {
+    rt::host_free(segment.host);
+  } catch (...) {  // nothing sensible to do: the memory is the runtime's now
+  }
+}
+
+std::string HostAllocProvider::describe() const { return "hipHostMalloc(" + describe_host_flags(flags_) + ")"; }
+
+pool::HostSegment HostRegisterProvider::allocate(std::size_t bytes) {
+  const std::size_t size = pool::round_up(bytes, kHugePage);
+  char* p = static_cast<char*>(std::aligned_alloc(kHugePage, size));
+  if (p == nullptr) throw std::runtime_error("aligned_alloc: out of host memory for " + std::to_string(size) + " bytes");
+  try {
+    touch_pages(p, size, threads_);
+    rt::host_register(p, size, flags_);
+  } catch (...) {
+    std::free(p);
+    throw;
+  }
+  void* device = nullptr;
+  if (flags_ & rt::kHostMapped) {
+    try {
+      device = rt::host_device_pointer(p);
+    } catch (...) {
+      rt::host_unregister(p);
+      std::free(p);
+      throw;
+    }
+  }
+  return {p, device};
+}
+
+void HostRegisterProvider::release(const pool::HostSegment& segment, std::size_t) noexcept {
+  try {
+    rt::host_unregister(segment.host);
+  } catch (...) {
+  }
+  std::free(segment.host);
+}
+
+std::string HostRegisterProvider::describe() const {
+  return "hipHostRegister(" + describe_host_flags(flags_) + ", " + std::to_string(threads_) + " threads)";
+}
+
+std::unique_ptr<rt::Event> RuntimeEventSource::take(int device) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (device < static_cast<int>(free_.size()) && !free_[device].empty()) {
+    auto e = std::move(free_[device].back());
+    free_[device].pop_back();
+    return e;
+  }
+  return nullptr;
+}
+
+void RuntimeEventSource::give_back(std::unique_ptr<rt::Event> event, int device) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (device >= static_cast<int>(free_.size())) free_.resize(device + 1);
+  free_[device].push_back(std::move(event));
+}
+
+std::unique_ptr<pool::UseEvent> RuntimeEventSource::record(const pool::StreamUse& use) {
+  auto event = take(use.device);
+  if (!event) event = std::make_unique<rt::Event>(use.device, /*timing=*/false);
+  event->record(use.stream);
+  return std::make_unique<RuntimeUseEvent>(this, std::move(event), use.device);
+}
+
+std::unique_ptr<pool::HostMemoryProvider> make_host_memory_provider(const std::string& kind, unsigned flags,
+                                                                    int register_threads) {
+  // Ordinary memory is readable by the "device" only when that is the CPU.
+  if (kind == "pageable") return std::make_unique<pool::AlignedHostMemoryProvider>(rt::device_count() == 0);
+  if (kind == "host_alloc") return std::make_unique<HostAllocProvider>(flags);
+  if (kind == "register") return std::make_unique<HostRegisterProvider>(flags, register_threads);
+  if (kind == "auto") {
+    if (rt::device_count() == 0) return std::make_unique<pool::AlignedHostMemoryProvider>(true);
+    return std::make_unique<HostAllocProvider>(flags);
+  }
+  throw std::invalid_argument("hipferry pinned pool: provider must be 'auto', 'host_alloc', 'register' or "
+                              "'pageable', got '" + kind + "'");
+}
+
+std::unique_ptr<pool::UseEventSource> make_use_event_source() {
+  if (rt::device_count() == 0) return std::make_unique<pool::CompletedEventSource>();
+  return std::make_unique<RuntimeEventSource>();
+}
+
+}  // namespace hipferry

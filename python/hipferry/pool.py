@@ -1,0 +1,325 @@
+"""Pinned host memory pools: ``PinnedPool``, ``default_pool()`` and ``pin()``.
+
+The allocator itself is C++ (csrc/core/host_pool, Note [hipferry pinned
+pool]); this module validates arguments, names things and holds the pool id.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import threading
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+from . import _C
+
+Size = Union[int, str, None]
+
+# rt::HostAllocFlags (hip/runtime.h): HIP's hipHostMalloc flag values.
+_FLAG_PORTABLE = 0x1
+_FLAG_MAPPED = 0x2
+_FLAG_WRITE_COMBINED = 0x4
+_FLAG_NUMA_USER = 0x20000000
+_FLAG_COHERENT = 0x40000000
+_FLAG_NON_COHERENT = 0x80000000
+
+_PROVIDERS = ("auto", "host_alloc", "register", "pageable")
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "t": 1000**4, "tb": 1000**4, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_MIN_CAPACITY = 256  # one block
+_UNLIMITED = 2**64 - 1
+
+
+def parse_bytes(value: Size, name: str) -> Optional[int]:
+    """``4096``, ``"512MiB"``, ``"1.5GB"`` -> bytes; ``None`` stays ``None``."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise TypeError(f"hipferry: {name} must be a byte count (int or a string like '8GiB'), got a bool")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"hipferry: {name} must be >= 0 bytes, got {value}")
+        return value
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", value)
+        if m and m.group(2).lower() in _UNITS:
+            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        raise ValueError(f"hipferry: {name} must look like '8GiB', '512MiB', '1.5GB' or '4096', got {value!r}")
+    raise TypeError(f"hipferry: {name} must be a byte count (int or a string like '8GiB'), "
+                    f"got {type(value).__name__}")
+
+
+def _flags(portable: bool, mapped: bool, coherent: Optional[bool], numa_user: bool, write_combined: bool) -> int:
+    flags = 0
+    if portable:
+        flags |= _FLAG_PORTABLE
+    if mapped:
+        flags |= _FLAG_MAPPED
+    if write_combined:
+        flags |= _FLAG_WRITE_COMBINED
+    if numa_user:
+        flags |= _FLAG_NUMA_USER
+    if coherent is True:
+        flags |= _FLAG_COHERENT
+    elif coherent is False:
+        flags |= _FLAG_NON_COHERENT
+    return flags
+
+
+def _check_shape(size: Sequence[Any]) -> list:
+    if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
+        size = size[0]
+    shape = []
+    for i, d in enumerate(size):
+        if isinstance(d, bool) or not isinstance(d, int):
+            raise TypeError(f"hipferry.PinnedPool.empty: size must be ints, got {type(d).__name__} at index {i}")
+        if d < 0:
+            raise ValueError(f"hipferry.PinnedPool.empty: size must be >= 0 in every dimension, got {d} at index {i}")
+        shape.append(d)
+    return shape
+
+
+class PinnedPool:
+    """A pool of page-locked host memory that tensors are allocated from.
+
+    Args:
+        capacity: hard cap on the host memory the pool holds (bytes, or a
+            string such as ``"16GiB"``); ``None`` for no cap. An allocation
+            that would exceed it first returns cached free memory to the
+            system, then waits for blocks still used by GPU work, then raises
+            ``torch.OutOfMemoryError`` stating requested, in use and capacity.
+        max_cached: free segments beyond this many bytes are given back to the
+            system as soon as they become free (``None``: kept until ``trim()``).
+        reserve: bytes allocated now and kept for the pool's lifetime (warm
+            start; ``trim()`` keeps them).
+        provider: ``"auto"`` (``hipHostMalloc`` when a GPU is present, ordinary
+            memory otherwise), ``"host_alloc"``, ``"register"`` (ordinary
+            memory, pages touched by ``register_threads`` threads, then
+            ``hipHostRegister``) or ``"pageable"`` (ordinary memory, not pinned).
+        portable, mapped, coherent, numa_user, write_combined: ``hipHostMalloc``
+            flags. ``coherent=None`` leaves the platform default; ``False`` asks
+            for non-coherent memory, which AMD GPUs re-read faster (no effect
+            on NVIDIA). ``mapped`` memory is readable by GPU kernels directly.
+    """
+
+    def __init__(self, capacity: Size = None, *, max_cached: Size = None, reserve: Size = 0,
+                 provider: str = "auto", portable: bool = True, mapped: bool = True,
+                 coherent: Optional[bool] = None, numa_user: bool = False, write_combined: bool = False,
+                 register_threads: int = 8):
+        cap = parse_bytes(capacity, "capacity")
+        if cap is not None and cap < _MIN_CAPACITY:
+            raise ValueError(f"hipferry.PinnedPool: capacity must be at least {_MIN_CAPACITY} bytes (one block), "
+                             f"got {cap}")
+        cached = parse_bytes(max_cached, "max_cached")
+        reserve_bytes = parse_bytes(reserve, "reserve") or 0
+        if cap is not None and reserve_bytes > cap:
+            raise ValueError(f"hipferry.PinnedPool: reserve ({reserve_bytes} bytes) must not exceed capacity "
+                             f"({cap} bytes)")
+        if provider not in _PROVIDERS:
+            raise ValueError(f"hipferry.PinnedPool: provider must be one of {_PROVIDERS}, got {provider!r}")
+        if isinstance(register_threads, bool) or not isinstance(register_threads, int) or register_threads < 1:
+            raise ValueError(f"hipferry.PinnedPool: register_threads must be an int >= 1, got {register_threads!r}")
+        if coherent not in (None, True, False):
+            raise ValueError(f"hipferry.PinnedPool: coherent must be None, True or False, got {coherent!r}")
+        self._id: Optional[int] = None
+        self._provider_kind = provider
+        self._id = _C.create_pinned_pool(provider, _flags(portable, mapped, coherent, numa_user, write_combined),
+                                         register_threads, _UNLIMITED if cap is None else cap,
+                                         _UNLIMITED if cached is None else cached, reserve_bytes)
+
+    # --- allocation -----------------------------------------------------------------
+    def empty(self, *size: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A contiguous CPU tensor whose storage lives in the pool.
+
+        The memory goes back to the pool when the tensor and every view of it
+        are gone, and only after GPU work recorded on it (``record_use``, or
+        hipferry's own copies) has completed.
+        """
+        shape = _check_shape(size)
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"hipferry.PinnedPool.empty: dtype must be a torch.dtype, got {type(dtype).__name__}")
+        if dtype in (torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4):
+            raise ValueError(f"hipferry.PinnedPool.empty: dtype {dtype} is quantized; expected a plain dtype")
+        return torch.ops.hipferry.pool_empty.default(self._open_id("empty"), shape, dtype)
+
+    def empty_like(self, t: torch.Tensor) -> torch.Tensor:
+        """``empty(t.shape, dtype=t.dtype)``."""
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"hipferry.PinnedPool.empty_like: t must be a torch.Tensor, got {type(t).__name__}")
+        return self.empty(tuple(t.shape), dtype=t.dtype)
+
+    def record_use(self, t: torch.Tensor, stream: Optional[Any] = None) -> None:
+        """Note that work queued on ``stream`` (default: the current GPU stream)
+        reads or writes ``t``: its block is reused only after that work is done.
+
+        Needed for copies hipferry does not make itself, e.g.
+        ``t.to("cuda", non_blocking=True)``. Without a GPU there is no
+        asynchronous work and this only checks ``t``.
+        """
+        pool_id = self._open_id("record_use")
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"hipferry.PinnedPool.record_use: t must be a torch.Tensor, got {type(t).__name__}")
+        base = t.untyped_storage().data_ptr() if t.device.type == "cpu" else 0
+        if t.device.type != "cpu" or t.numel() == 0 or not _C.pool_owns(pool_id, base):
+            if t.numel() == 0 and t.device.type == "cpu":
+                return  # empty tensors own no block
+            raise ValueError("hipferry.PinnedPool.record_use: t must be a tensor allocated from this pool "
+                             f"(PinnedPool.empty or hipferry.pin), got a {t.device} tensor that is not")
+        if stream is None:
+            if _C.device_count() == 0:
+                return
+            stream = torch.cuda.current_stream()
+        if not hasattr(stream, "cuda_stream") or not hasattr(stream, "device"):
+            raise TypeError("hipferry.PinnedPool.record_use: stream must be a torch.cuda.Stream or None, "
+                            f"got {type(stream).__name__}")
+        if _C.device_count() == 0:
+            raise ValueError("hipferry.PinnedPool.record_use: a GPU stream was given but this process sees "
+                             "no GPU through hipferry; expected stream=None")
+        _C.pool_record_use(pool_id, base, stream.device.index, stream.cuda_stream)
+
+    # --- maintenance ----------------------------------------------------------------
+    def stats(self) -> dict:
+        """Bytes requested/allocated/reserved (current and peak), cache hits and
+        misses, system allocations and frees and the time they took, blocks
+        waiting on GPU events, capacity."""
+        s = _C.pool_stats(self._open_id("stats"))
+        if s["capacity"] == _UNLIMITED:
+            s["capacity"] = None
+        return s
+
+    def trim(self) -> int:
+        """Return cached free segments (not the reserve) to the system; returns bytes released."""
+        return _C.pool_trim(self._open_id("trim"))
+
+    def process_events(self) -> int:
+        """Make blocks whose GPU work has completed reusable now; returns how many."""
+        return _C.pool_process_events(self._open_id("process_events"))
+
+    def close(self) -> None:
+        """Release cached memory and the reserve; later calls raise. Tensors
+        from the pool stay valid, their memory is released as they die."""
+        if self._id is not None:
+            pool_id, self._id = self._id, None
+            _C.destroy_pinned_pool(pool_id)
+
+    @property
+    def capacity(self) -> Optional[int]:
+        return self.stats()["capacity"]
+
+    @property
+    def provider(self) -> str:
+        """What the memory comes from, e.g. ``hipHostMalloc(portable|mapped)``."""
+        return _C.pool_provider(self._open_id("provider"))
+
+    @property
+    def closed(self) -> bool:
+        return self._id is None
+
+    def check_invariants(self) -> None:
+        """Raise if the allocator's bookkeeping is inconsistent (tests, debugging)."""
+        _C.pool_check_invariants(self._open_id("check_invariants"))
+
+    def _open_id(self, what: str) -> int:
+        if self._id is None:
+            raise RuntimeError(f"hipferry.PinnedPool.{what}: the pool is closed; expected an open pool")
+        return self._id
+
+    def __enter__(self) -> "PinnedPool":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        if self._id is None:
+            return "PinnedPool(closed)"
+        s = self.stats()
+        return (f"PinnedPool(provider={self.provider!r}, capacity={s['capacity']}, "
+                f"reserved={s['reserved_bytes']}, requested={s['requested_bytes']})")
+
+
+# --- the default pool -------------------------------------------------------------------
+_default_lock = threading.Lock()
+_default_pool: Optional[PinnedPool] = None
+_default_config: Optional[dict] = None
+ENV_VAR = "HIPFERRY_PINNED_POOL"
+
+
+def parse_pool_config(text: str) -> dict:
+    """``"capacity=16GiB,max_cached=2GiB,provider=register"`` -> PinnedPool keyword arguments."""
+    config: dict = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not key:
+            raise ValueError(f"hipferry: {ENV_VAR} entries must be key=value, got {item!r}")
+        if key in ("capacity", "max_cached", "reserve"):
+            config[key] = value
+        elif key == "provider":
+            config[key] = value
+        elif key == "register_threads":
+            config[key] = int(value)
+        elif key in ("portable", "mapped", "numa_user", "write_combined", "coherent"):
+            if value.lower() not in ("0", "1", "true", "false", "none"):
+                raise ValueError(f"hipferry: {ENV_VAR} {key} must be true/false, got {value!r}")
+            config[key] = None if value.lower() == "none" else value.lower() in ("1", "true")
+        else:
+            raise ValueError(f"hipferry: {ENV_VAR} has unknown key {key!r}; expected capacity, max_cached, "
+                             "reserve, provider, register_threads, portable, mapped, coherent, numa_user, "
+                             "write_combined")
+    return config
+
+
+def configure_default_pool(**kwargs: Any) -> None:
+    """Set the default pool's ``PinnedPool`` arguments before its first use
+    (they override ``$HIPFERRY_PINNED_POOL``). Raises once the pool exists."""
+    global _default_config
+    with _default_lock:
+        if _default_pool is not None and not _default_pool.closed:
+            raise RuntimeError("hipferry.configure_default_pool: the default pool already exists; configure it "
+                               "before the first hipferry.default_pool()/pin() call")
+        # Values are checked when the pool is made; names are checked now.
+        allowed = [p for p in inspect.signature(PinnedPool.__init__).parameters if p != "self"]
+        unknown = sorted(set(kwargs) - set(allowed))
+        if unknown:
+            raise TypeError(f"hipferry.configure_default_pool: unknown arguments {unknown}; expected {list(allowed)}")
+        _default_config = dict(kwargs)
+
+
+def default_pool() -> PinnedPool:
+    """The process-wide pool hipferry uses when no ``pool=`` is given, made on
+    first use from ``configure_default_pool()`` or ``$HIPFERRY_PINNED_POOL``."""
+    global _default_pool
+    with _default_lock:
+        if _default_pool is None or _default_pool.closed:
+            config = _default_config if _default_config is not None else parse_pool_config(os.environ.get(ENV_VAR, ""))
+            _default_pool = PinnedPool(**config)
+        return _default_pool
+
+
+def pin(tensor: torch.Tensor, pool: Optional[PinnedPool] = None) -> torch.Tensor:
+    """A copy of the CPU tensor ``tensor`` in pinned pool memory (contiguous)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"hipferry.pin: tensor must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu":
+        raise ValueError(f"hipferry.pin: tensor must be on the CPU, got a tensor on {tensor.device}")
+    if tensor.layout != torch.strided:
+        raise ValueError(f"hipferry.pin: tensor must be strided (dense), got layout {tensor.layout}")
+    if pool is not None and not isinstance(pool, PinnedPool):
+        raise TypeError(f"hipferry.pin: pool must be a hipferry.PinnedPool or None, got {type(pool).__name__}")
+    out = (pool or default_pool()).empty(tuple(tensor.shape), dtype=tensor.dtype)
+    out.copy_(tensor)
+    return out
+
+
+@torch.library.register_fake("hipferry::pool_empty")
+def _pool_empty_fake(pool: int, size: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(size, dtype=dtype, device="cpu")
