@@ -87,7 +87,8 @@ def format_table(columns: List[str], rows: List[dict]) -> str:
 
 
 def write_plot(path: str, plot: dict, rows: List[dict]) -> bool:
-    """plot: {"x": col, "y": col, "series": col, "title": str, "logx": bool, "ylabel": str}."""
+    """plot: {"x": col, "y": col, "series": col, "title": str, "logx": bool, "logy": bool, "ylabel": str,
+    "rows": the rows to draw, when not all of them}."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -95,6 +96,7 @@ def write_plot(path: str, plot: dict, rows: List[dict]) -> bool:
     except ImportError:
         sys.stderr.write("matplotlib not installed: no plot written (pip install matplotlib)\n")
         return False
+    rows = plot.get("rows", rows)
     fig, ax = plt.subplots(figsize=(8, 5))
     series = sorted({r[plot["series"]] for r in rows})
     for s in series:
@@ -102,6 +104,8 @@ def write_plot(path: str, plot: dict, rows: List[dict]) -> bool:
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=s)
     if plot.get("logx", True):
         ax.set_xscale("log", base=2)
+    if plot.get("logy", False):
+        ax.set_yscale("log")
     ax.set_xlabel(plot.get("xlabel", plot["x"]))
     ax.set_ylabel(plot.get("ylabel", plot["y"]))
     ax.set_title(plot.get("title", ""))
@@ -119,7 +123,7 @@ def available() -> List[str]:
 
 
 def _load_suites() -> None:
-    from . import copy_cast_suite  # noqa: F401  (registers itself)
+    from . import copy_cast_suite, pool_suite  # noqa: F401  (register themselves)
 
 
 def run(names: List[str], out_dir: str, ctx: Context) -> Dict[str, dict]:
