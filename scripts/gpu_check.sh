@@ -7,8 +7,9 @@
 #
 # GoogleTest: the system package, else sources in third_party/googletest (an
 # ignored folder; copy Debian's /usr/src/googletest there), else C++ tests are
-# skipped. Built for the local GPU only (TORCH_CUDA_ARCH_LIST / PYTORCH_ROCM_ARCH
-# from the device) to stay well under 8 minutes on 16 cores.
+# skipped. Wheels in .whl/ (e.g. expecttest for opcheck) are installed first.
+# Built for the local GPU only (TORCH_CUDA_ARCH_LIST / PYTORCH_ROCM_ARCH from
+# the device) to stay well under 8 minutes on 16 cores.
 set -uo pipefail
 OUT=${1:?usage: scripts/gpu_check.sh OUTDIR}
 mkdir -p "$OUT"
@@ -23,16 +24,20 @@ run() {  # run NAME CMD...: log to OUT/NAME.log, remember failures
   if ! "$@" >"$OUT/$name.log" 2>&1; then echo "  FAILED (see $OUT/$name.log)"; status=1; fi
   tail -n 3 "$OUT/$name.log" | sed 's/^/  | /'
 }
+if compgen -G ".whl/*.whl" >/dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/hipferry-site .whl/*.whl
+  export PYTHONPATH=/tmp/hipferry-site${PYTHONPATH:+:$PYTHONPATH}
+fi
 arch=$($PY -c "import torch; p = torch.cuda.get_device_properties(0); print(getattr(p, 'gcnArchName', '').split(':')[0] or f'{p.major}.{p.minor}')")
 if [[ $arch == gfx* ]]; then export PYTORCH_ROCM_ARCH=$arch; else export TORCH_CUDA_ARCH_LIST=$arch; fi
 gtest_src=""
 [[ -f third_party/googletest/CMakeLists.txt ]] && gtest_src=$PWD/third_party/googletest
 run build env HIPFERRY_BUILD_DIR="$BUILD_DIR" HIPFERRY_BUILD_TESTS=ON HIPFERRY_GTEST_SOURCE_DIR="$gtest_src" \
   $PY -m pip install --no-build-isolation --no-deps -v .
-run ctest ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$(nproc)"
+run ctest ctest --test-dir "$BUILD_DIR" --output-on-failure -LE exhaustive -j "$(nproc)"
 run pytest $PY -m pytest -q -ra tests/python --junitxml="$OUT/pytest.xml"
 run doctor $PY -m hipferry doctor
-run bench $PY -m hipferry bench --out "$OUT/bench" --repeats 5
+run bench $PY -m hipferry bench --out "$OUT/bench" --repeats 3
 run example $PY examples/convert_weights.py
 echo "done in $(( $(date +%s) - start ))s, status $status; results in $OUT"
 exit $status

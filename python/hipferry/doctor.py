@@ -2,13 +2,16 @@
 
 Exit code 0 when this build works on this machine; 1 with the reasons when it cannot.
 """
+import os
 import platform as py_platform
 import sys
+import time
 from typing import Dict, List
 
 import torch
 
 from . import platform as hf_platform
+from . import pool
 from .bench import best_of_interleaved, gpu_timer, wall_timer
 from .ops import copy_cast_
 
@@ -67,6 +70,20 @@ def measure_gpu_bandwidth(device: int, nbytes: int = 64 * MiB, repeats: int = 5)
             out[f"h2d_{kind}_GBps"] = nbytes / best["h2d"] / 1e9
             out[f"d2h_{kind}_GBps"] = nbytes / best["d2h"] / 1e9
         return out
+
+
+def describe_pool(gpu: bool, nbytes: int = 64 * MiB) -> str:
+    """Which memory the default pool configuration gets, and how long a cold allocation takes."""
+    config = pool.parse_pool_config(os.environ.get(pool.ENV_VAR, ""))
+    with pool.PinnedPool(**config) as p:
+        t0 = time.perf_counter()
+        t = p.empty(nbytes, dtype=torch.uint8)
+        ms = (time.perf_counter() - t0) * 1e3
+        pinned = t.is_pinned() if gpu else False
+        del t
+        return (f"{p.provider}, {nbytes // MiB} MiB cold in {ms:.1f} ms, "
+                f"{'page-locked' if pinned else 'not page-locked (no GPU)' if not gpu else 'NOT page-locked'}; "
+                f"${pool.ENV_VAR}={os.environ.get(pool.ENV_VAR) or '(unset)'}")
 
 
 def self_test(device: str) -> None:
@@ -130,6 +147,10 @@ def run(quick: bool = False) -> int:
             w("  self-test       copy_cast_ matches torch .to() bit for bit\n")
         except RuntimeError as e:
             problems.append(f"self-test failed: {e}")
+        try:
+            w(f"  pinned pool     {describe_pool(runtime_devices > 0 and torch_devices > 0)}\n")
+        except RuntimeError as e:
+            problems.append(f"pinned pool failed: {e}")
         w("  bandwidth       measuring...\n")
         cpu = measure_cpu_bandwidth(64 * MiB if quick else 256 * MiB, 3 if quick else 5)
         w(f"  host memory     copy {cpu['host_copy_GBps']:.1f} GB/s, copy_cast f32->bf16 "

@@ -46,3 +46,20 @@ def test_format_table_aligns_columns():
     out = bench.format_table(["x", "value"], [{"x": 1, "value": 2.5}, {"x": 100, "value": 12345.6}])
     lines = out.splitlines()
     assert len({len(l) for l in lines}) == 1 and "12346" in lines[-1]
+
+
+def test_pool_suite_measures_every_contender(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "hipferry", "bench", "pool", "--quick", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "[pool] 1/" in r.stderr
+    rows = json.loads((tmp_path / "pool.json").read_text())["rows"]
+    measures = {row["measure"] for row in rows}
+    assert {"alloc+free median", "alloc+free p99", "reserved/requested at peak", "cold first allocation",
+            "cold allocation + first write"} <= measures
+    latency = {row["contender"] for row in rows if row["measure"] == "alloc+free median"}
+    assert {"hipferry pool (allocator)", "hipferry pool.empty (tensor)", "torch.empty (cpu, malloc)"} <= latency
+    assert all(row["value"] > 0 for row in rows)
+    # Bytes held can never be fewer than bytes asked for.
+    assert all(row["value"] >= 1.0 for row in rows if row["measure"].startswith("reserved/requested"))
+    assert (tmp_path / "pool.png").read_bytes()[:4] == b"\x89PNG"
