@@ -33,6 +33,12 @@ def _row(measure, size, contender, value, unit, baseline=None, base_value=None, 
     return r
 
 
+def _torch_host_empty_cache():
+    fn = getattr(torch._C, "_host_emptyCache", None)  # torch >= 2.5
+    if fn is not None:
+        fn()
+
+
 def _alloc_free(ctx, rows, gpu):
     sizes = [256, 4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB] + ([] if ctx.quick else [64 * MiB])
     iters = 200 if ctx.quick else 5000
@@ -105,8 +111,8 @@ def _overhead(ctx, rows, gpu):
         rows.append(_row("reserved/requested at end", s["requested_bytes"], "hipferry pool",
                          s["reserved_bytes"] / s["requested_bytes"], "ratio"))
         del live
-    if gpu and hasattr(torch.cuda, "host_memory_stats"):
-        torch._C._host_emptyCache()
+    if gpu and hasattr(torch.cuda, "reset_peak_host_memory_stats"):
+        _torch_host_empty_cache()
         torch.cuda.reset_peak_host_memory_stats()
         live, peak_requested = run(lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True))
         hs = torch.cuda.host_memory_stats()
@@ -116,7 +122,7 @@ def _overhead(ctx, rows, gpu):
                          "torch pinned allocator",
                          hs["allocated_bytes.current"] / sum(t.numel() for t in live.values()), "ratio"))
         del live
-        torch._C._host_emptyCache()
+        _torch_host_empty_cache()
 
 
 def _cold(ctx, rows, gpu):
@@ -139,7 +145,7 @@ def _cold(ctx, rows, gpu):
                 t = pool.empty(size, dtype=torch.uint8)
             else:
                 if gpu:
-                    torch._C._host_emptyCache()
+                    _torch_host_empty_cache()
                 t0 = time.perf_counter()
                 t = torch.empty(size, dtype=torch.uint8, pin_memory=gpu)
             t1 = time.perf_counter()
@@ -150,7 +156,7 @@ def _cold(ctx, rows, gpu):
             if provider is not None:
                 pool.close()
             elif gpu:
-                torch._C._host_emptyCache()
+                _torch_host_empty_cache()
     base = "torch.empty(pin_memory=True)" if gpu else "torch.empty (cpu)"
     for name in contenders:
         rows.append(_row("cold first allocation", size, name, best[name][0], "s", base, best[base][0]))
