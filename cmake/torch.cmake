@@ -49,8 +49,17 @@ pybind11_add_module(_C MODULE
 if(NOT HIPFERRY_RESOLVED_TARGET STREQUAL "cpu")
   target_sources(_C PRIVATE csrc/torch/copy_cast_gpu.cpp csrc/torch/current_stream.cpp)
 endif()
-# Recent torch headers need C++20 (older ones build with it as well).
-set_target_properties(_C PROPERTIES CXX_STANDARD 20)
+# The module is compiled with the C++ standard torch itself was built with
+# (torch 2.15's headers demand C++20; older ones are C++17 builds, and mixing
+# the two crashed on a thrown c10::Error under torch 2.11). ATen.h says which.
+file(READ "${HIPFERRY_TORCH_INCLUDE}/ATen/ATen.h" _aten_header)
+if(_aten_header MATCHES "__cplusplus < 202002L")
+  set(HIPFERRY_TORCH_CXX_STANDARD 20)
+else()
+  set(HIPFERRY_TORCH_CXX_STANDARD 17)
+endif()
+message(STATUS "hipferry: torch module compiled as C++${HIPFERRY_TORCH_CXX_STANDARD}, as torch requires")
+set_target_properties(_C PROPERTIES CXX_STANDARD ${HIPFERRY_TORCH_CXX_STANDARD})
 target_include_directories(_C PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/csrc)
 target_link_libraries(_C PRIVATE hipferry_runtime hipferry_torch)
 target_compile_definitions(_C PRIVATE HIPFERRY_TORCH_VERSION="${HIPFERRY_TORCH_VERSION}")

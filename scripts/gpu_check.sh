@@ -28,7 +28,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/hipferry-site .whl/*.whl
   export PYTHONPATH=/tmp/hipferry-site${PYTHONPATH:+:$PYTHONPATH}
 fi
-arch=$($PY -c "import torch; p = torch.cuda.get_device_properties(0); print(getattr(p, 'gcnArchName', '').split(':')[0] or f'{p.major}.{p.minor}')")
+arch=$($PY -c "import torch; p = torch.cuda.get_device_properties(0); print(p.gcnArchName.split(':')[0] if torch.version.hip else f'{p.major}.{p.minor}')")
 if [[ $arch == gfx* ]]; then export PYTORCH_ROCM_ARCH=$arch; else export TORCH_CUDA_ARCH_LIST=$arch; fi
 gtest_src=""
 [[ -f third_party/googletest/CMakeLists.txt ]] && gtest_src=$PWD/third_party/googletest

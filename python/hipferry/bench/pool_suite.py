@@ -87,7 +87,7 @@ def _workload(hidden, layers):
     return ops
 
 
-def _overhead(ctx, rows, gpu):
+def _overhead(ctx, rows, notes, gpu):
     hidden, layers = (256, 2) if ctx.quick else (1024, 6)
     ops = _workload(hidden, layers)
     ctx.progress("pool", 1, 1, f"mixed workload: {len(ops)} operations, hidden {hidden}, {layers} layers")
@@ -115,14 +115,27 @@ def _overhead(ctx, rows, gpu):
         _torch_host_empty_cache()
         torch.cuda.reset_peak_host_memory_stats()
         live, peak_requested = run(lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True))
+        end_requested = sum(t.numel() for t in live.values())
         hs = torch.cuda.host_memory_stats()
-        rows.append(_row("reserved/requested at peak", peak_requested, "torch pinned allocator",
-                         hs["allocated_bytes.peak"] / peak_requested, "ratio"))
-        rows.append(_row("reserved/requested at end", sum(t.numel() for t in live.values()),
-                         "torch pinned allocator",
-                         hs["allocated_bytes.current"] / sum(t.numel() for t in live.values()), "ratio"))
+        peak, current = _torch_reserved(hs, "peak"), _torch_reserved(hs, "current")
+        if peak is None:
+            notes.append(f"torch host_memory_stats has no reserved-bytes key: {sorted(hs)}")
+        else:
+            rows.append(_row("reserved/requested at peak", peak_requested, "torch pinned allocator",
+                             peak / peak_requested, "ratio"))
+            rows.append(_row("reserved/requested at end", end_requested, "torch pinned allocator",
+                             current / end_requested, "ratio"))
         del live
         _torch_host_empty_cache()
+
+
+def _torch_reserved(stats, which):
+    """Bytes torch's pinned allocator holds (active + cached), across torch versions."""
+    for key in (f"allocated_bytes.{which}", f"reserved_bytes.{which}", f"allocated_bytes.all.{which}",
+                f"reserved_bytes.all.{which}", f"segment.all.{which}"):
+        if key in stats:
+            return stats[key]
+    return None
 
 
 def _cold(ctx, rows, gpu):
@@ -168,7 +181,8 @@ def pool_suite(ctx: Context) -> SuiteResult:
     gpu = ctx.device == "cuda"
     rows = []
     _alloc_free(ctx, rows, gpu)
-    _overhead(ctx, rows, gpu)
+    notes = []
+    _overhead(ctx, rows, notes, gpu)
     _cold(ctx, rows, gpu)
     for r in rows:
         r["label"] = r["contender"]
@@ -178,7 +192,7 @@ def pool_suite(ctx: Context) -> SuiteResult:
               "logy": True}]
     return SuiteResult(rows=rows, columns=["measure", "bytes", "contender", "value", "unit", "vs_baseline"],
                        plots=plots,
-                       notes=["vs_baseline > 1: better than the baseline (times: baseline/value)",
+                       notes=notes + ["vs_baseline > 1: better than the baseline (times: baseline/value)",
                               "alloc+free: per-pair wall clock in C++ (steady_clock, ~20 ns of it is the clock); "
                               "best median and best p99 over interleaved rounds",
                               "reserved/requested: ratio of bytes held from the system to bytes asked for",
