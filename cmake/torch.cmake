@@ -49,9 +49,8 @@ pybind11_add_module(_C MODULE
 if(NOT HIPFERRY_RESOLVED_TARGET STREQUAL "cpu")
   target_sources(_C PRIVATE csrc/torch/copy_cast_gpu.cpp csrc/torch/current_stream.cpp)
 endif()
-# The module is compiled with the C++ standard torch itself was built with
-# (torch 2.15's headers demand C++20; older ones are C++17 builds, and mixing
-# the two crashed on a thrown c10::Error under torch 2.11). ATen.h says which.
+# The module is compiled with the C++ standard torch's headers ask for
+# (torch 2.15 demands C++20, older releases are C++17): ATen.h says which.
 file(READ "${HIPFERRY_TORCH_INCLUDE}/ATen/ATen.h" _aten_header)
 if(_aten_header MATCHES "__cplusplus < 202002L")
   set(HIPFERRY_TORCH_CXX_STANDARD 20)
@@ -64,6 +63,14 @@ target_include_directories(_C PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/csrc)
 target_link_libraries(_C PRIVATE hipferry_runtime hipferry_torch)
 target_compile_definitions(_C PRIVATE HIPFERRY_TORCH_VERSION="${HIPFERRY_TORCH_VERSION}")
 target_compile_options(_C PRIVATE -Wall -Wextra -Wno-unused-parameter)
+# Code pulled in from static archives stays private to the module. A toolchain
+# that links parts of libstdc++ statically (seen: a GCC in /opt/gcc on a CUDA
+# image) otherwise exports a second copy of the iostream/locale code next to
+# the process's libstdc++.so, and the first error message with a number in it
+# crashed. With the system compiler the module links libstdc++.so only.
+if(CMAKE_SYSTEM_NAME STREQUAL "Linux")
+  target_link_options(_C PRIVATE "LINKER:--exclude-libs,ALL")
+endif()
 if(HIPFERRY_OUTPUT_DIR)  # setup.py puts the module where setuptools packages it
   set_target_properties(_C PROPERTIES LIBRARY_OUTPUT_DIRECTORY "${HIPFERRY_OUTPUT_DIR}")
 endif()

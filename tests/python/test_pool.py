@@ -348,7 +348,7 @@ def test_gpu_pool_tensors_are_pinned_and_copy_non_blocking():
         assert torch.equal(dev.cpu(), host)
 
 
-def _gpu_race(p, make_copy):
+def _gpu_race(p, make_copy, expect=lambda t: t):
     """Copy a pool tensor to the GPU behind a long kernel, free it at once,
     then overwrite whatever the pool hands out next: the copy must still see
     the original values (the block may not be reused before the copy ran)."""
@@ -363,7 +363,7 @@ def _gpu_race(p, make_copy):
     assert base(other) != addr, "the block was reused while a copy from it was queued"
     other.fill_(-1)
     torch.cuda.synchronize()
-    assert torch.equal(dev.cpu(), torch.arange(n, dtype=torch.float32))
+    assert torch.equal(dev.cpu(), expect(torch.arange(n, dtype=torch.float32)))
     p.process_events()
     assert p.stats()["waiting_blocks"] == 0
     again = p.empty(n)
@@ -386,8 +386,8 @@ def test_gpu_copy_cast_records_use_by_itself():
         def copy(h):
             d = torch.empty(h.shape, dtype=torch.bfloat16, device="cuda")
             hipferry.copy_cast_(d, h)
-            return d.float()
-        _gpu_race(p, copy)
+            return d
+        _gpu_race(p, copy, expect=lambda t: t.to(torch.bfloat16))
 
 
 @requires_gpu

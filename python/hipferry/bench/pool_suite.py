@@ -103,6 +103,9 @@ def _overhead(ctx, rows, notes, gpu):
             peak_requested = max(peak_requested, requested)
         return live, peak_requested
 
+    notes.append("torch's pinned-allocator rule (next power of two, no splitting) would hold "
+                 f"{_power_of_two_model(ops):.2f}x the requested bytes at the peak of this workload "
+                 "(computed from the rule, not measured)")
     with PinnedPool() as pool:
         live, peak_requested = run(lambda n: pool.empty(n, dtype=torch.uint8))
         s = pool.stats()
@@ -119,7 +122,8 @@ def _overhead(ctx, rows, notes, gpu):
         hs = torch.cuda.host_memory_stats()
         peak, current = _torch_reserved(hs, "peak"), _torch_reserved(hs, "current")
         if peak is None:
-            notes.append(f"torch host_memory_stats has no reserved-bytes key: {sorted(hs)}")
+            notes.append("torch pinned allocator not measured: torch.cuda.host_memory_stats() has no "
+                          f"reserved-bytes key in torch {torch.__version__} (keys: {sorted(hs)[:8]})")
         else:
             rows.append(_row("reserved/requested at peak", peak_requested, "torch pinned allocator",
                              peak / peak_requested, "ratio"))
@@ -127,6 +131,28 @@ def _overhead(ctx, rows, notes, gpu):
                              current / end_requested, "ratio"))
         del live
         _torch_host_empty_cache()
+
+
+def _power_of_two_model(ops):
+    """Peak reserved/requested of torch's CachingHostAllocator rule on `ops`:
+    every request rounded up to a power of two, a freed block reused only for
+    the same rounded size, nothing split or released. Computed, not measured."""
+    cached, live, reserved, requested, peak_req, peak_res = {}, {}, 0, 0, 0, 0
+    for op, key, n in ops:
+        if op == "alloc":
+            size = 1 << max(0, (n - 1).bit_length())
+            if cached.get(size):
+                cached[size] -= 1
+            else:
+                reserved += size
+            live[key] = (size, n)
+            requested += n
+        else:
+            size, n = live.pop(key)
+            cached[size] = cached.get(size, 0) + 1
+            requested -= n
+        peak_req, peak_res = max(peak_req, requested), max(peak_res, reserved)
+    return peak_res / peak_req
 
 
 def _torch_reserved(stats, which):
