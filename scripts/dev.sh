@@ -6,8 +6,10 @@
 #                              ctest (core, runtime, exhaustive conversions) + pytest,
 #                              AMD (ROCm Clang) and NVIDIA (nvcc) builds of the GPU code
 #                              with their C++ tests (they report "no device" here),
+#                              the CPU-only build (laptop without a GPU toolchain)
+#                              with the Python tests against it,
 #                              and the ASan+UBSan build of core and runtime
-#   scripts/dev.sh deps | build | check-gpu-builds | sanitize   the single steps
+#   scripts/dev.sh deps | build | check-gpu-builds | check-cpu-build | sanitize   the single steps
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -56,6 +58,17 @@ check_gpu_builds() {
   ctest --test-dir build/check-cuda --output-on-failure -LE exhaustive -j "$JOBS"
 }
 
+# The CPU-only extension (HIPFERRY_TARGET=cpu: a laptop's torch without a GPU
+# toolchain), installed into a folder of its own and tested with pytest.
+check_cpu_build() {
+  step "CPU-only build of the torch extension, and the Python tests against it"
+  HIPFERRY_TARGET=cpu HIPFERRY_BUILD_DIR="$PWD/build/check-cpu-torch" HIPFERRY_BUILD_TESTS=OFF MAX_JOBS=$JOBS \
+    quiet_pip $PY -m pip install --no-build-isolation --no-deps -q --upgrade --target build/check-cpu-site .
+  PYTHONPATH="$PWD/build/check-cpu-site" $PY -c \
+    "import hipferry; b = hipferry.build_info(); assert b['target'] == 'cpu', b; print('CPU-only build:', b)"
+  PYTHONPATH="$PWD/build/check-cpu-site" $PY -m pytest -q -ra -p no:cacheprovider tests/python
+}
+
 sanitize() {
   step "ASan + UBSan build of core and CPU runtime"
   cmake -S . -B build/check-asan -G Ninja -DHIPFERRY_BUILD_TORCH=OFF -DHIPFERRY_TARGET=cpu \
@@ -75,10 +88,11 @@ case "${1:-}" in
   deps) deps ;;
   build) build ;;
   check-gpu-builds) check_gpu_builds ;;
+  check-cpu-build) check_cpu_build ;;
   sanitize) sanitize ;;
   test)
     start=$(date +%s)
-    deps; build; run_tests; check_gpu_builds; sanitize
+    deps; build; run_tests; check_gpu_builds; check_cpu_build; sanitize
     step "all tests passed in $(( $(date +%s) - start )) s"
     ;;
   example)
