@@ -8,8 +8,9 @@
 #                              with their C++ tests (they report "no device" here),
 #                              the CPU-only build (laptop without a GPU toolchain)
 #                              with the Python tests against it,
-#                              and the ASan+UBSan build of core and runtime
-#   scripts/dev.sh deps | build | check-gpu-builds | check-cpu-build | sanitize   the single steps
+#                              the ASan+UBSan build of core and runtime, and the
+#                              pinned pool's tests under ThreadSanitizer
+#   scripts/dev.sh deps | build | check-gpu-builds | check-cpu-build | sanitize | tsan   the single steps
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -77,6 +78,14 @@ sanitize() {
   ctest --test-dir build/check-asan --output-on-failure -LE exhaustive -j "$JOBS"
 }
 
+tsan() {
+  step "ThreadSanitizer build: the pinned pool's tests (many threads, fake events)"
+  cmake -S . -B build/check-tsan -G Ninja -DHIPFERRY_BUILD_TORCH=OFF -DHIPFERRY_TARGET=cpu \
+    -DHIPFERRY_TSAN=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+  cmake --build build/check-tsan -j "$JOBS" --target hipferry_core_tests
+  TSAN_OPTIONS=halt_on_error=1 build/check-tsan/tests/cpp/hipferry_core_tests --gtest_filter='HostPool*'
+}
+
 run_tests() {
   step "C++ tests of the installed build ($BUILD_DIR)"
   ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$JOBS"
@@ -90,9 +99,10 @@ case "${1:-}" in
   check-gpu-builds) check_gpu_builds ;;
   check-cpu-build) check_cpu_build ;;
   sanitize) sanitize ;;
+  tsan) tsan ;;
   test)
     start=$(date +%s)
-    deps; build; run_tests; check_gpu_builds; check_cpu_build; sanitize
+    deps; build; run_tests; check_gpu_builds; check_cpu_build; sanitize; tsan
     step "all tests passed in $(( $(date +%s) - start )) s"
     ;;
   example)
@@ -100,5 +110,5 @@ case "${1:-}" in
     step "examples/convert_weights.py"
     $PY examples/convert_weights.py
     ;;
-  *) sed -n '2,12p' "$0"; exit 2 ;;
+  *) sed -n '2,13p' "$0"; exit 2 ;;
 esac

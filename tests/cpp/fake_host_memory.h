@@ -32,6 +32,12 @@ namespace hipferry::pool::testing {
 // that derives Allocation::device from anything but that segment's device base
 // (e.g. assumes device == host, or one global offset) is caught.
 class FakeMemory : public std::enable_shared_from_this<FakeMemory> {
+  template <class F>
+  auto locked(F f) const -> decltype(f()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return f();
+  }
+
  public:
   struct Segment {
     std::uintptr_t host = 0;
@@ -59,6 +65,11 @@ class FakeMemory : public std::enable_shared_from_this<FakeMemory> {
   void fail_next_allocate(std::string message) {
     std::lock_guard<std::mutex> lock(mu_);
     fail_next_ = std::move(message);
+  }
+  // Called (without FakeMemory's lock) at the start of allocate(bytes).
+  void on_allocate(std::function<void(std::size_t)> hook) {
+    std::lock_guard<std::mutex> lock(mu_);
+    allocate_hook_ = std::move(hook);
   }
   // Called (without FakeMemory's lock) just before a segment is freed.
   void on_release(std::function<void(const Segment&)> hook) {
@@ -98,13 +109,9 @@ class FakeMemory : public std::enable_shared_from_this<FakeMemory> {
   friend class FakeProvider;
   explicit FakeMemory(bool mapped) : mapped_(mapped) {}
 
-  template <class F>
-  auto locked(F f) const {
-    std::lock_guard<std::mutex> lock(mu_);
-    return f();
-  }
 
   HostSegment allocate(std::size_t bytes) {
+    if (auto hook = locked([&] { return allocate_hook_; })) hook(bytes);
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (fail_next_) {
@@ -170,6 +177,7 @@ class FakeMemory : public std::enable_shared_from_this<FakeMemory> {
   std::uint64_t allocs_ = 0, releases_ = 0;
   std::optional<std::string> fail_next_;
   std::vector<std::string> violations_;
+  std::function<void(std::size_t)> allocate_hook_;
   std::function<void(const Segment&)> release_hook_;
 };
 
@@ -194,6 +202,12 @@ inline std::unique_ptr<HostMemoryProvider> FakeMemory::provider() {
 // to the event (the host waited for it). The test queues work (enqueue) and
 // lets the "device" finish it (complete, advance).
 class FakeStreams : public std::enable_shared_from_this<FakeStreams> {
+  template <class F>
+  auto locked(F f) const -> decltype(f()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return f();
+  }
+
  public:
   static std::shared_ptr<FakeStreams> make() { return std::shared_ptr<FakeStreams>(new FakeStreams()); }
 
@@ -245,6 +259,19 @@ class FakeStreams : public std::enable_shared_from_this<FakeStreams> {
     std::lock_guard<std::mutex> lock(mu_);
     failing_queries_ = n;
   }
+  // After `n` more query() calls every stream completes: a pool that spins
+  // on events ends its loop (and the test can fail) instead of hanging.
+  void complete_all_after_queries(std::uint64_t n) {
+    std::lock_guard<std::mutex> lock(mu_);
+    complete_all_at_query_ = queries_ + n;
+  }
+
+  // Called (without FakeStreams' lock) at the start of record ("record"),
+  // query ("query") and synchronize ("synchronize").
+  void on_call(std::function<void(const char*)> hook) {
+    std::lock_guard<std::mutex> lock(mu_);
+    call_hook_ = std::move(hook);
+  }
 
   std::uint64_t records() const { return locked([&] { return records_; }); }
   std::uint64_t queries() const { return locked([&] { return queries_; }); }
@@ -260,19 +287,19 @@ class FakeStreams : public std::enable_shared_from_this<FakeStreams> {
   };
   FakeStreams() = default;
   static Key key(const StreamUse& s) { return {s.device, s.stream}; }
-  template <class F>
-  auto locked(F f) const {
-    std::lock_guard<std::mutex> lock(mu_);
-    return f();
+  void notify(const char* what) {
+    if (auto hook = locked([&] { return call_hook_; })) hook(what);
   }
 
   mutable std::mutex mu_;
   std::map<Key, Stream> streams_;
   std::uint64_t records_ = 0, queries_ = 0, synchronizes_ = 0, live_events_ = 0;
   std::uint64_t failing_queries_ = 0;
+  std::uint64_t complete_all_at_query_ = UINT64_MAX;
   std::optional<std::string> fail_next_record_;
   bool source_alive_ = false;
   std::vector<std::string> violations_;
+  std::function<void(const char*)> call_hook_;
 };
 
 class FakeEvent : public UseEvent {
@@ -286,8 +313,10 @@ class FakeEvent : public UseEvent {
     if (!s_->source_alive_) s_->violations_.push_back("an event was destroyed after its event source");
   }
   bool query() override {
+    s_->notify("query");
     std::lock_guard<std::mutex> lock(s_->mu_);
-    ++s_->queries_;
+    if (++s_->queries_ >= s_->complete_all_at_query_)
+      for (auto& [k, st] : s_->streams_) st.completed = st.queued;
     if (s_->failing_queries_ > 0) {
       --s_->failing_queries_;
       throw std::runtime_error("FakeEvent: injected query failure");
@@ -295,6 +324,7 @@ class FakeEvent : public UseEvent {
     return s_->streams_[key_].completed >= target_;
   }
   void synchronize() override {
+    s_->notify("synchronize");
     std::lock_guard<std::mutex> lock(s_->mu_);
     ++s_->synchronizes_;
     auto& st = s_->streams_[key_];
@@ -318,6 +348,7 @@ class FakeEventSource : public UseEventSource {
     s_->source_alive_ = false;
   }
   std::unique_ptr<UseEvent> record(const StreamUse& use) override {
+    s_->notify("record");
     std::lock_guard<std::mutex> lock(s_->mu_);
     if (s_->fail_next_record_) {
       const std::string m = *s_->fail_next_record_;

@@ -65,13 +65,16 @@ HostPool::HostPool(std::unique_ptr<HostMemoryProvider> provider, std::unique_ptr
   require(options_.small_segment_bytes % kAlignment == 0 && options_.large_segment_bytes % kAlignment == 0,
           "segment sizes that are multiples of 256");
   stats_.capacity = options_.capacity;
+  require(size_class(options_.own_segment_threshold, SIZE_MAX) == options_.own_segment_threshold,
+          "own_segment_threshold to be a size class (e.g. a power of two), so that sizes stay monotonic");
   if (options_.reserve_bytes > 0) {
-    const std::size_t bytes = round_up(options_.reserve_bytes, kOwnSegmentGranule);
-    if (bytes > options_.capacity) {
-      throw PoolCapacityError("hipferry pinned pool: reserve of " + format_bytes(bytes) +
+    // Compared before rounding: rounding a value near SIZE_MAX would wrap to 0.
+    if (options_.reserve_bytes > options_.capacity / kOwnSegmentGranule * kOwnSegmentGranule) {
+      throw PoolCapacityError("hipferry pinned pool: reserve of " + format_bytes(options_.reserve_bytes) +
                               " exceeds the capacity of " + format_bytes(options_.capacity) +
                               "; expected reserve <= capacity");
     }
+    const std::size_t bytes = round_up(options_.reserve_bytes, kOwnSegmentGranule);
     const auto t0 = std::chrono::steady_clock::now();
     const HostSegment memory = provider_->allocate(bytes);
     const auto t1 = std::chrono::steady_clock::now();
@@ -104,20 +107,28 @@ HostPool::~HostPool() {
 }
 
 std::set<HostPool::Block*, HostPool::BySizeThenAddress>& HostPool::free_set(SegmentKind kind) {
-  return kind == SegmentKind::kSmall ? free_small_ : free_large_;
+  switch (kind) {
+    case SegmentKind::kSmall: return free_small_;
+    case SegmentKind::kOwn: return free_own_;
+    default: return free_large_;
+  }
 }
 
 HostPool::Block* HostPool::find_free(std::size_t size, bool small) {
-  auto& set = small ? free_small_ : free_large_;
   Block key{};
   key.size = size;
   key.host = nullptr;
-  for (auto it = set.lower_bound(&key); it != set.end(); ++it) {
-    Block* b = *it;
-    // An own segment is never split; it serves a request that wastes <= 1/8 of it.
-    if (b->segment->kind != SegmentKind::kOwn || b->size - size <= b->size / 8) return b;
-  }
-  return nullptr;
+  const auto first_fit = [&key](std::set<Block*, BySizeThenAddress>& set) -> Block* {
+    auto it = set.lower_bound(&key);
+    return it == set.end() ? nullptr : *it;
+  };
+  if (small) return first_fit(free_small_);
+  Block* split = first_fit(free_large_);
+  Block* own = first_fit(free_own_);
+  // An own segment is never split: it serves a request that wastes <= 1/8 of it.
+  if (own != nullptr && own->size - size > own->size / 8) own = nullptr;
+  if (own != nullptr && (split == nullptr || own->size <= split->size)) return own;
+  return split;
 }
 
 HostPool::Allocation HostPool::hand_out(Block* b, std::size_t size, std::size_t requested) {
@@ -211,9 +222,14 @@ HostPool::Allocation HostPool::allocate(std::size_t bytes) {
       }
       // ...then wait for blocks parked on asynchronous work.
       if (!waiting_.empty() || waiting_in_flight_ > 0) {
+        const std::uint64_t completions = completions_;
         lock.unlock();
-        if (!wait_for_waiting_blocks()) std::this_thread::yield();  // another thread polls them
+        const bool waited = wait_for_waiting_blocks();
+        if (!waited) std::this_thread::yield();  // another thread is polling them
         lock.lock();
+        // Waited, and still no block came free anywhere: their events fail
+        // (a runtime error); do not spin on them.
+        if (waited && completions_ == completions) throw_capacity(bytes, segment_bytes);
         continue;
       }
       throw_capacity(bytes, segment_bytes);
@@ -231,6 +247,10 @@ HostPool::Allocation HostPool::allocate(std::size_t bytes) {
     pending_bytes_ -= segment_bytes;
     throw PoolError("hipferry pinned pool: " + provider_->describe() + " could not allocate " +
                     format_bytes(segment_bytes) + ": " + e.what());
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    pending_bytes_ -= segment_bytes;
+    throw;
   }
   const auto t1 = std::chrono::steady_clock::now();
   std::lock_guard<std::mutex> lock(mutex_);
@@ -294,9 +314,14 @@ void HostPool::deallocate(void* host) {
       throw PoolError(std::string("hipferry pinned pool: could not record a stream event for a freed block; "
                                   "the block is kept out of use: ") + e.what());
     }
-    std::lock_guard<std::mutex> lock(mutex_);
-    --waiting_in_flight_;
-    waiting_.push_back(std::move(w));
+    bool closed = false;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      --waiting_in_flight_;
+      waiting_.push_back(std::move(w));
+      closed = closed_;
+    }
+    if (closed) poll_events(to_release);  // nobody else polls a closed pool
   }
   release_segments(to_release);
 }
@@ -364,6 +389,13 @@ void HostPool::release_segments(const SegmentList& segments) {
 }
 
 std::size_t HostPool::process_events() {
+  SegmentList to_release;
+  const std::size_t freed = poll_events(to_release);
+  release_segments(to_release);
+  return freed;
+}
+
+std::size_t HostPool::poll_events(SegmentList& to_release) {
   std::vector<Waiting> polling;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -391,19 +423,16 @@ std::size_t HostPool::process_events() {
       pending.push_back(std::move(w));
     }
   }
-  SegmentList to_release;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    waiting_in_flight_ -= polled;
-    for (Block* b : done) {
-      --stats_.waiting_blocks;
-      stats_.waiting_bytes -= b->size;
-      stats_.allocated_bytes -= b->size;
-      free_block(b, to_release);
-    }
-    for (Waiting& w : pending) waiting_.push_back(std::move(w));
+  std::lock_guard<std::mutex> lock(mutex_);
+  waiting_in_flight_ -= polled;
+  completions_ += done.size();
+  for (Block* b : done) {
+    --stats_.waiting_blocks;
+    stats_.waiting_bytes -= b->size;
+    stats_.allocated_bytes -= b->size;
+    free_block(b, to_release);
   }
-  release_segments(to_release);
+  for (Waiting& w : pending) waiting_.push_back(std::move(w));
   return done.size();
 }
 
@@ -434,8 +463,8 @@ bool HostPool::wait_for_waiting_blocks() {
 }
 
 std::size_t HostPool::trim() {
-  process_events();
   SegmentList freed;
+  poll_events(freed);  // may already release segments (max_cached): they count too
   {
     std::lock_guard<std::mutex> lock(mutex_);
     collect_free_segments(0, false, freed);
@@ -492,7 +521,7 @@ void HostPool::check_invariants() const {
   std::lock_guard<std::mutex> lock(mutex_);
   const auto fail = [](const std::string& what) { throw std::logic_error("hipferry pinned pool invariant: " + what); };
   std::size_t reserved = 0, allocated = 0, free_bytes = 0, fully_free = 0, live = 0, waiting = 0;
-  std::size_t free_small = 0, free_large = 0, requested = 0;
+  std::size_t free_small = 0, free_large = 0, free_own = 0, requested = 0;
   for (const auto& s : segments_) {
     reserved += s->size;
     const char* expect = static_cast<const char*>(s->memory.host);
@@ -507,9 +536,11 @@ void HostPool::check_invariants() const {
         free_bytes += b->size;
         if (prev != nullptr && prev->state == BlockState::kFree && s->kind != SegmentKind::kOwn)
           fail("two free neighbours not coalesced");
-        const auto& set = s->kind == SegmentKind::kSmall ? free_small_ : free_large_;
+        const auto& set = s->kind == SegmentKind::kSmall ? free_small_
+                          : s->kind == SegmentKind::kOwn ? free_own_
+                                                         : free_large_;
         if (set.count(const_cast<Block*>(b)) == 0) fail("free block missing from its free set");
-        (s->kind == SegmentKind::kSmall ? free_small : free_large) += 1;
+        (s->kind == SegmentKind::kSmall ? free_small : s->kind == SegmentKind::kOwn ? free_own : free_large) += 1;
         if (b->size == s->size && s->kind != SegmentKind::kReserve) fully_free += s->size;
       } else {
         allocated += b->size;
@@ -525,7 +556,8 @@ void HostPool::check_invariants() const {
     }
     if (expect != static_cast<const char*>(s->memory.host) + s->size) fail("blocks do not cover their segment");
   }
-  if (free_small != free_small_.size() || free_large != free_large_.size()) fail("free sets hold non-free blocks");
+  if (free_small != free_small_.size() || free_large != free_large_.size() || free_own != free_own_.size())
+    fail("free sets hold non-free blocks");
   if (reserved != stats_.reserved_bytes) fail("reserved_bytes != sum of segment sizes");
   if (allocated != stats_.allocated_bytes) fail("allocated_bytes != live + waiting blocks");
   if (free_bytes != free_bytes_) fail("free byte count drifted");

@@ -10,10 +10,12 @@
 //     from large segments (and from the reserve); a free block is split when
 //     the rest is worth keeping, and a freed block merges with free address
 //     neighbours, so a segment whose blocks are all free is one free block.
-//   - larger requests get a segment of their own, which is never split; a
-//     cached one serves a later request that wastes at most 1/8 of it.
+//   - a larger request is served from free space of large segments or the
+//     reserve when some fits; otherwise it gets a new segment of its own. Own
+//     segments are never split; a cached one serves a later request that
+//     wastes at most 1/8 of it.
 //   - lookup is best fit: the smallest free block (then the lowest address)
-//     that is large enough, O(log n) in a std::set.
+//     that is large enough, O(log n) in one std::set per kind of segment.
 // Stream-ordered reuse: record_use() notes each stream that used a live
 // block; deallocate() of such a block records one event per stream and parks
 // the block as "waiting"; it becomes free only once all its events completed.
@@ -179,6 +181,9 @@ class HostPool {
 
   // No lock held.
   void release_segments(const SegmentList& segments);
+  // Frees waiting blocks whose events completed; segments that become
+  // releasable are appended to `to_release`. Returns how many were freed.
+  std::size_t poll_events(SegmentList& to_release);
   bool wait_for_waiting_blocks();
 
   // Fixed at construction; no lock needed.
@@ -189,10 +194,12 @@ class HostPool {
   mutable std::mutex mutex_;
   // --- guarded by mutex_ ---
   std::set<Block*, BySizeThenAddress> free_small_;  // free blocks of small segments
-  std::set<Block*, BySizeThenAddress> free_large_;  // free blocks of large, own and reserve segments
+  std::set<Block*, BySizeThenAddress> free_large_;  // free blocks of large and reserve segments
+  std::set<Block*, BySizeThenAddress> free_own_;    // free own segments (always whole)
   std::unordered_map<void*, Block*> live_;          // live blocks by host address
   std::vector<Waiting> waiting_;                     // parked blocks with their events
   std::size_t waiting_in_flight_ = 0;  // waiting blocks taken out of waiting_ to be polled
+  std::uint64_t completions_ = 0;      // waiting blocks freed so far (lets allocate see progress)
   std::vector<std::unique_ptr<Segment>> segments_;
   std::size_t pending_bytes_ = 0;      // capacity set aside for provider allocations in progress
   std::size_t fully_free_bytes_ = 0;   // bytes in non-reserve segments that are one free block

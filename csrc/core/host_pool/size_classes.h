@@ -1,9 +1,10 @@
 // How the pinned pool rounds requests and sizes its segments.
 //
 // Requests up to `own_segment_threshold` are rounded to size classes: 8 per
-// power of two (a 1.2 MiB request takes 1.25 MiB), so a block wastes at most
-// 1/8 of itself and about 1/16 on average; PyTorch's pinned allocator rounds
-// to the next power of two and wastes up to 1x. Larger requests get a segment
+// power of two (a 1.2 MiB request takes 1.25 MiB), so from 2 KiB up a block
+// wastes at most 1/8 of itself and about 1/16 on average (below 2 KiB the
+// 256-byte granularity rules); PyTorch's pinned allocator rounds to the next
+// power of two and wastes up to 1x. Larger requests get a segment
 // of their own, rounded only to kOwnSegmentGranule.
 #pragma once
 
