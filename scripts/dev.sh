@@ -9,7 +9,7 @@
 #                              the CPU-only build (laptop without a GPU toolchain)
 #                              with the Python tests against it,
 #                              the ASan+UBSan build of core and runtime, and the
-#                              pinned pool's tests under ThreadSanitizer
+#                              multi-threaded core tests under ThreadSanitizer
 #   scripts/dev.sh deps | build | check-gpu-builds | check-cpu-build | sanitize | tsan   the single steps
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -79,11 +79,11 @@ sanitize() {
 }
 
 tsan() {
-  step "ThreadSanitizer build: the pinned pool's tests (many threads, fake events)"
+  step "ThreadSanitizer build: the multi-threaded core tests (pinned pool, serial worker, trace recorder)"
   cmake -S . -B build/check-tsan -G Ninja -DHIPFERRY_BUILD_TORCH=OFF -DHIPFERRY_TARGET=cpu \
     -DHIPFERRY_TSAN=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
   cmake --build build/check-tsan -j "$JOBS" --target hipferry_core_tests
-  TSAN_OPTIONS=halt_on_error=1 build/check-tsan/tests/cpp/hipferry_core_tests --gtest_filter='HostPool*'
+  TSAN_OPTIONS=halt_on_error=1 build/check-tsan/tests/cpp/hipferry_core_tests --gtest_filter='HostPool*:SerialWorker*:TraceRecorder*'
 }
 
 run_tests() {
