@@ -53,8 +53,12 @@ def main() -> int:
     torch.manual_seed(0)
     model = TinyGPT(args.layers, args.width)
     params = {k: v.detach() for k, v in model.state_dict().items() if v.dtype == torch.float32}
-    if device == "cuda":  # the source lives in pinned host memory, read in place by the kernel
-        params = {k: v.pin_memory() for k, v in params.items()}
+    if device == "cuda":  # the source lives in pinned pool memory, read in place by the kernel
+        pool = hipferry.PinnedPool()
+        params = {k: hipferry.pin(v, pool=pool) for k, v in params.items()}
+        s = pool.stats()
+        print(f"pinned pool ({pool.provider}): {s['requested_bytes'] / 2**20:.0f} MiB requested, "
+              f"{s['reserved_bytes'] / 2**20:.0f} MiB reserved, {s['system_allocs']} system allocations")
     total = sum(v.numel() for v in params.values())
     print(f"model: {args.layers} blocks, width {args.width}: {len(params)} tensors, "
           f"{total / 1e6:.1f} M params, {total * 4 / 2**20:.0f} MiB in float32")

@@ -161,10 +161,9 @@ class PinnedPool:
         pool_id = self._open_id("record_use")
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"hipferry.PinnedPool.record_use: t must be a torch.Tensor, got {type(t).__name__}")
-        base = t.untyped_storage().data_ptr() if t.device.type == "cpu" else 0
-        if t.device.type != "cpu" or t.numel() == 0 or not _C.pool_owns(pool_id, base):
-            if t.numel() == 0 and t.device.type == "cpu":
-                return  # empty tensors own no block
+        if t.device.type == "cpu" and t.numel() == 0:
+            return  # an empty tensor owns no block
+        if t.device.type != "cpu" or not _C.pool_owns(pool_id, t.untyped_storage().data_ptr()):
             raise ValueError("hipferry.PinnedPool.record_use: t must be a tensor allocated from this pool "
                              f"(PinnedPool.empty or hipferry.pin), got a {t.device} tensor that is not")
         if stream is None:
@@ -177,7 +176,7 @@ class PinnedPool:
         if _C.device_count() == 0:
             raise ValueError("hipferry.PinnedPool.record_use: a GPU stream was given but this process sees "
                              "no GPU through hipferry; expected stream=None")
-        _C.pool_record_use(pool_id, base, stream.device.index, stream.cuda_stream)
+        _C.pool_record_use(pool_id, t.untyped_storage().data_ptr(), stream.device.index, stream.cuda_stream)
 
     # --- maintenance ----------------------------------------------------------------
     def stats(self) -> dict:
