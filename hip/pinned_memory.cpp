@@ -39,6 +39,19 @@ void touch_pages(char* p, std::size_t bytes, int threads) {
   for (auto& w : workers) w.join();
 }
 
+// Asks the runtime for a mapped segment's device address; gives the segment
+// back to `provider` when the runtime has none.
+void ask_device_address(pool::HostMemoryProvider& provider, pool::HostSegment& segment, std::size_t bytes,
+                        unsigned flags) {
+  if (!(flags & rt::kHostMapped)) return;
+  try {
+    segment.device = rt::host_device_pointer(segment.host);
+  } catch (...) {
+    provider.release(segment, bytes);
+    throw;
+  }
+}
+
 }  // namespace
 
 std::string describe_host_flags(unsigned flags) {
@@ -54,17 +67,9 @@ std::string describe_host_flags(unsigned flags) {
 }
 
 pool::HostSegment HostAllocProvider::allocate(std::size_t bytes) {
-  void* p = rt::host_alloc(bytes, flags_);
-  void* device = nullptr;
-  if (flags_ & rt::kHostMapped) {
-    try {
-      device = rt::host_device_pointer(p);
-    } catch (...) {
-      rt::host_free(p);
-      throw;
-    }
-  }
-  return {p, device};
+  pool::HostSegment segment{rt::host_alloc(bytes, flags_), nullptr};
+  ask_device_address(*this, segment, bytes, flags_);
+  return segment;
 }
 
 void HostAllocProvider::release(const pool::HostSegment& segment, std::size_t) noexcept {
@@ -87,17 +92,9 @@ pool::HostSegment HostRegisterProvider::allocate(std::size_t bytes) {
     std::free(p);
     throw;
   }
-  void* device = nullptr;
-  if (flags_ & rt::kHostMapped) {
-    try {
-      device = rt::host_device_pointer(p);
-    } catch (...) {
-      rt::host_unregister(p);
-      std::free(p);
-      throw;
-    }
-  }
-  return {p, device};
+  pool::HostSegment segment{p, nullptr};
+  ask_device_address(*this, segment, size, flags_);
+  return segment;
 }
 
 void HostRegisterProvider::release(const pool::HostSegment& segment, std::size_t) noexcept {

@@ -3,12 +3,11 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include <cstdlib>
 #include <cstring>
-#include <new>
 #include <vector>
 
 #include "core/copy_cast_cpu.h"
+#include "pinned_memory.h"
 #include "runtime.h"
 
 namespace py = pybind11;
@@ -41,41 +40,6 @@ py::dict device_info(int device) {
   return d;
 }
 
-// Page-locked host memory from host_alloc or host_register, freed on scope exit.
-class PinnedBuffer {
- public:
-  PinnedBuffer(std::size_t bytes, unsigned flags, bool use_register) : registered_(use_register) {
-    if (use_register) {
-      ptr_ = std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096);
-      if (ptr_ == nullptr) throw std::bad_alloc();
-      try {
-        rt::host_register(ptr_, bytes, flags);
-      } catch (...) {
-        std::free(ptr_);
-        throw;
-      }
-    } else {
-      ptr_ = rt::host_alloc(bytes, flags);
-    }
-  }
-  ~PinnedBuffer() {
-    try {
-      if (registered_) {
-        rt::host_unregister(ptr_);
-        std::free(ptr_);
-      } else {
-        rt::host_free(ptr_);
-      }
-    } catch (...) {
-    }
-  }
-  void* get() const { return ptr_; }
-
- private:
-  bool registered_;
-  void* ptr_ = nullptr;
-};
-
 // Pins `bytes` of host memory with `flags`, writes a pattern, asks the runtime
 // for its device address, copies it device-ward through that address and back,
 // and compares. Raises what failed.
@@ -86,19 +50,24 @@ py::dict check_host_memory(int device, std::size_t bytes, unsigned flags, bool u
     py::gil_scoped_release no_gil;
     std::vector<unsigned char> pattern(bytes), back(bytes, 0);
     for (std::size_t i = 0; i < bytes; ++i) pattern[i] = static_cast<unsigned char>(i * 131 + 7);
-    PinnedBuffer host(bytes, flags, use_register);
-    std::memcpy(host.get(), pattern.data(), bytes);
-    void* mapped = rt::host_device_pointer(host.get());
-    same_address = mapped == host.get();
-    void* dev = rt::device_alloc(bytes, device);
+    // The pinned pool's own providers: the doctor checks what the pool uses.
+    auto provider = make_host_memory_provider(use_register ? "register" : "host_alloc", flags, 1);
+    const pool::HostSegment host = provider->allocate(bytes);
+    void* dev = nullptr;
     try {
+      std::memcpy(host.host, pattern.data(), bytes);
+      void* mapped = host.device != nullptr ? host.device : rt::host_device_pointer(host.host);
+      same_address = mapped == host.host;
+      dev = rt::device_alloc(bytes, device);
       rt::memcpy_sync(dev, mapped, bytes);
       rt::memcpy_sync(back.data(), dev, bytes);
     } catch (...) {
-      rt::device_free(dev, device);
+      if (dev != nullptr) rt::device_free(dev, device);
+      provider->release(host, bytes);
       throw;
     }
     rt::device_free(dev, device);
+    provider->release(host, bytes);
     round_trip_ok = std::memcmp(back.data(), pattern.data(), bytes) == 0;
   }
   py::dict result;

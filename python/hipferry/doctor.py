@@ -74,8 +74,7 @@ def measure_gpu_bandwidth(device: int, nbytes: int = 64 * MiB, repeats: int = 5)
 
 def describe_pool(gpu: bool, nbytes: int = 64 * MiB) -> str:
     """Which memory the default pool configuration gets, and how long a cold allocation takes."""
-    config = pool.parse_pool_config(os.environ.get(pool.ENV_VAR, ""))
-    with pool.PinnedPool(**config) as p:
+    with pool.PinnedPool(**pool.default_pool_config()) as p:
         t0 = time.perf_counter()
         t = p.empty(nbytes, dtype=torch.uint8)
         ms = (time.perf_counter() - t0) * 1e3

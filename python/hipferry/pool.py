@@ -260,9 +260,7 @@ def parse_pool_config(text: str) -> dict:
         key, value = key.strip(), value.strip()
         if not sep or not key:
             raise ValueError(f"hipferry: {ENV_VAR} entries must be key=value, got {item!r}")
-        if key in ("capacity", "max_cached", "reserve"):
-            config[key] = value
-        elif key == "provider":
+        if key in ("capacity", "max_cached", "reserve", "provider"):
             config[key] = value
         elif key == "register_threads":
             config[key] = int(value)
@@ -293,14 +291,18 @@ def configure_default_pool(**kwargs: Any) -> None:
         _default_config = dict(kwargs)
 
 
+def default_pool_config() -> dict:
+    """The ``PinnedPool`` arguments the default pool is (or would be) made with."""
+    return dict(_default_config) if _default_config is not None else parse_pool_config(os.environ.get(ENV_VAR, ""))
+
+
 def default_pool() -> PinnedPool:
     """The process-wide pool hipferry uses when no ``pool=`` is given, made on
     first use from ``configure_default_pool()`` or ``$HIPFERRY_PINNED_POOL``."""
     global _default_pool
     with _default_lock:
         if _default_pool is None or _default_pool.closed:
-            config = _default_config if _default_config is not None else parse_pool_config(os.environ.get(ENV_VAR, ""))
-            _default_pool = PinnedPool(**config)
+            _default_pool = PinnedPool(**default_pool_config())
         return _default_pool
 
 

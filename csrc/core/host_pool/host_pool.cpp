@@ -321,38 +321,35 @@ void HostPool::deallocate(void* host) {
       waiting_.push_back(std::move(w));
       closed = closed_;
     }
-    if (closed) poll_events(to_release);  // nobody else polls a closed pool
+    if (closed) poll_events(to_release, /*wait=*/false);  // nobody else polls a closed pool
   }
   release_segments(to_release);
 }
 
+void HostPool::merge_with_next(Block* b) {
+  Block* n = b->next;
+  auto& set = free_set(b->segment->kind);
+  set.erase(b);  // the key (size) changes: out of the set first
+  set.erase(n);
+  b->size += n->size;
+  b->next = n->next;
+  if (n->next != nullptr) n->next->prev = b;
+  delete n;
+  set.insert(b);
+}
+
 void HostPool::free_block(Block* b, SegmentList& to_release) {
   Segment* s = b->segment;
-  auto& set = free_set(s->kind);
   b->state = BlockState::kFree;
   b->requested = 0;
   b->uses.clear();
-  if (b->prev != nullptr && b->prev->state == BlockState::kFree) {
-    Block* p = b->prev;
-    set.erase(p);
-    free_bytes_ -= p->size;
-    p->size += b->size;
-    p->next = b->next;
-    if (b->next != nullptr) b->next->prev = p;
-    delete b;
-    b = p;
-  }
-  if (b->next != nullptr && b->next->state == BlockState::kFree) {
-    Block* n = b->next;
-    set.erase(n);
-    free_bytes_ -= n->size;
-    b->size += n->size;
-    b->next = n->next;
-    if (n->next != nullptr) n->next->prev = b;
-    delete n;
-  }
-  set.insert(b);
+  free_set(s->kind).insert(b);
   free_bytes_ += b->size;
+  if (b->next != nullptr && b->next->state == BlockState::kFree) merge_with_next(b);
+  if (b->prev != nullptr && b->prev->state == BlockState::kFree) {
+    b = b->prev;
+    merge_with_next(b);
+  }
   if (b->size != s->size) return;
   if (s->kind != SegmentKind::kReserve) fully_free_bytes_ += s->size;
   if (closed_) {
@@ -390,16 +387,16 @@ void HostPool::release_segments(const SegmentList& segments) {
 
 std::size_t HostPool::process_events() {
   SegmentList to_release;
-  const std::size_t freed = poll_events(to_release);
+  const std::size_t freed = poll_events(to_release, /*wait=*/false).freed;
   release_segments(to_release);
   return freed;
 }
 
-std::size_t HostPool::poll_events(SegmentList& to_release) {
+HostPool::PollResult HostPool::poll_events(SegmentList& to_release, bool wait) {
   std::vector<Waiting> polling;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (waiting_.empty()) return 0;
+    if (waiting_.empty()) return {0, 0};
     polling.swap(waiting_);
     waiting_in_flight_ += polling.size();
   }
@@ -410,6 +407,7 @@ std::size_t HostPool::poll_events(SegmentList& to_release) {
     bool complete = true;
     for (auto& e : w.events) {
       try {
+        if (wait) e->synchronize();
         complete = e->query();
       } catch (...) {
         complete = false;  // an error is not completion: keep the block parked
@@ -433,38 +431,19 @@ std::size_t HostPool::poll_events(SegmentList& to_release) {
     free_block(b, to_release);
   }
   for (Waiting& w : pending) waiting_.push_back(std::move(w));
-  return done.size();
+  return {polled, done.size()};
 }
 
 bool HostPool::wait_for_waiting_blocks() {
-  std::vector<Waiting> polling;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (waiting_.empty()) return false;
-    polling.swap(waiting_);
-    waiting_in_flight_ += polling.size();
-  }
-  for (Waiting& w : polling) {
-    for (auto& e : w.events) {
-      try {
-        e->synchronize();
-      } catch (...) {
-      }
-    }
-  }
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    waiting_in_flight_ -= polling.size();
-    waiting_.insert(waiting_.end(), std::make_move_iterator(polling.begin()),
-                    std::make_move_iterator(polling.end()));
-  }
-  process_events();  // now completes them (or keeps those whose query still fails)
-  return true;
+  SegmentList to_release;
+  const PollResult r = poll_events(to_release, /*wait=*/true);
+  release_segments(to_release);
+  return r.polled > 0;
 }
 
 std::size_t HostPool::trim() {
   SegmentList freed;
-  poll_events(freed);  // may already release segments (max_cached): they count too
+  poll_events(freed, /*wait=*/false);  // may already release segments (max_cached): they count too
   {
     std::lock_guard<std::mutex> lock(mutex_);
     collect_free_segments(0, false, freed);

@@ -174,6 +174,7 @@ class HostPool {
   Block* find_free(std::size_t size, bool small);
   Allocation hand_out(Block* block, std::size_t size, std::size_t requested);
   void free_block(Block* block, SegmentList& to_release);
+  void merge_with_next(Block* block);  // both free and in their set
   void detach_segment(Segment* segment);
   void collect_free_segments(std::size_t keep_cached, bool include_reserve, SegmentList& out);
   Segment* add_segment(const HostSegment& memory, std::size_t size, SegmentKind kind);
@@ -181,9 +182,15 @@ class HostPool {
 
   // No lock held.
   void release_segments(const SegmentList& segments);
-  // Frees waiting blocks whose events completed; segments that become
-  // releasable are appended to `to_release`. Returns how many were freed.
-  std::size_t poll_events(SegmentList& to_release);
+  // Frees waiting blocks whose events completed (with `wait`, after blocking
+  // on each event); segments that become releasable are appended to
+  // `to_release`. Reports how many blocks were taken to poll and freed.
+  struct PollResult {
+    std::size_t polled;
+    std::size_t freed;
+  };
+  PollResult poll_events(SegmentList& to_release, bool wait);
+  // poll_events(wait=true); false when there was nothing to wait for.
   bool wait_for_waiting_blocks();
 
   // Fixed at construction; no lock needed.
