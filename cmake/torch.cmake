@@ -1,5 +1,5 @@
 # The torch module hipferry._C. Links only torch's device-generic libraries
-# (c10, torch_cpu): no torch GPU headers or libraries (design principle 3), so
+# (c10, torch_cpu, torch_python for the tensor <-> Python casts): no torch GPU headers or libraries (design principle 3), so
 # one source builds against many torch, ROCm and CUDA versions.
 
 execute_process(
@@ -13,7 +13,7 @@ list(GET _torch_paths 2 HIPFERRY_TORCH_CXX11_ABI)
 add_library(hipferry_torch INTERFACE)
 target_include_directories(hipferry_torch SYSTEM INTERFACE "${HIPFERRY_TORCH_INCLUDE}")
 target_compile_definitions(hipferry_torch INTERFACE _GLIBCXX_USE_CXX11_ABI=${HIPFERRY_TORCH_CXX11_ABI})
-foreach(lib c10 torch_cpu torch)
+foreach(lib c10 torch_cpu torch torch_python)
   find_library(HIPFERRY_LIB_${lib} ${lib} PATHS "${HIPFERRY_TORCH_LIB}" NO_DEFAULT_PATH REQUIRED)
   target_link_libraries(hipferry_torch INTERFACE "${HIPFERRY_LIB_${lib}}")
 endforeach()
@@ -45,9 +45,14 @@ pybind11_add_module(_C MODULE
   csrc/torch/copy_cast_cpu.cpp
   csrc/torch/pinned_pool.cpp
   csrc/torch/pool_bindings.cpp
+  csrc/torch/current_stream.cpp
+  csrc/torch/trace_session.cpp
+  csrc/torch/transfer_engine.cpp
+  csrc/torch/transfer_paths.cpp
+  csrc/torch/transfer_bindings.cpp
   csrc/torch/python_module.cpp)
 if(NOT HIPFERRY_RESOLVED_TARGET STREQUAL "cpu")
-  target_sources(_C PRIVATE csrc/torch/copy_cast_gpu.cpp csrc/torch/current_stream.cpp)
+  target_sources(_C PRIVATE csrc/torch/copy_cast_gpu.cpp)
 endif()
 # The module is compiled with the C++ standard torch's headers ask for
 # (torch 2.15 demands C++20, older releases are C++17): ATen.h says which.

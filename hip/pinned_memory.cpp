@@ -6,6 +6,7 @@
 #include <thread>
 
 #include "host_pool/size_classes.h"
+#include "transfer/serial_worker.h"
 
 namespace hipferry {
 namespace {
@@ -146,9 +147,33 @@ std::unique_ptr<pool::HostMemoryProvider> make_host_memory_provider(const std::s
                               "'pageable', got '" + kind + "'");
 }
 
+namespace {
+
+// Uses on the transfer worker (StreamUse{-1, SerialWorker*}) get worker
+// events; uses on GPU streams get runtime events (or, without a GPU, events
+// that are complete at once: nothing asynchronous runs there).
+class StreamOrWorkerEventSource : public pool::UseEventSource {
+ public:
+  StreamOrWorkerEventSource() {
+    if (rt::device_count() == 0) {
+      streams_ = std::make_unique<pool::CompletedEventSource>();
+    } else {
+      streams_ = std::make_unique<RuntimeEventSource>();
+    }
+  }
+  std::unique_ptr<pool::UseEvent> record(const pool::StreamUse& use) override {
+    return use.device < 0 ? workers_.record(use) : streams_->record(use);
+  }
+
+ private:
+  transfer::WorkerEventSource workers_;
+  std::unique_ptr<pool::UseEventSource> streams_;
+};
+
+}  // namespace
+
 std::unique_ptr<pool::UseEventSource> make_use_event_source() {
-  if (rt::device_count() == 0) return std::make_unique<pool::CompletedEventSource>();
-  return std::make_unique<RuntimeEventSource>();
+  return std::make_unique<StreamOrWorkerEventSource>();
 }
 
 }  // namespace hipferry

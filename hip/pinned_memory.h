@@ -58,7 +58,8 @@ class RuntimeEventSource : public pool::UseEventSource {
 // the choices for anything else.
 std::unique_ptr<pool::HostMemoryProvider> make_host_memory_provider(const std::string& kind, unsigned flags,
                                                                     int register_threads);
-// Runtime events when a device is present, else events that are always complete.
+// Uses on a transfer worker (device -1) get worker events; stream uses get
+// runtime events when a device is present, else events that are always complete.
 std::unique_ptr<pool::UseEventSource> make_use_event_source();
 
 // "portable|mapped" for a flag set.

@@ -108,6 +108,9 @@ void host_unregister(void* ptr);
 // page-locked and mapped. Never assume it equals the host address (ROCm 7.2
 // maps registered pages elsewhere), always ask.
 void* host_device_pointer(void* host_ptr);
+// The same, but nullptr for memory that is not page-locked and mapped (no
+// exception: the transfer engine asks this of every source it is given).
+void* host_device_pointer_or_null(void* host_ptr) noexcept;
 
 // Device memory (tests and benchmarks; torch owns the tensors).
 void* device_alloc(std::size_t bytes, int device);

@@ -52,6 +52,7 @@ void host_free(void* ptr) { std::free(ptr); }
 void host_register(void*, std::size_t, unsigned) {}
 void host_unregister(void*) {}
 void* host_device_pointer(void* host_ptr) { return host_ptr; }
+void* host_device_pointer_or_null(void* host_ptr) noexcept { return host_ptr; }
 
 void* device_alloc(std::size_t, int device) { no_device("device_alloc", device); }
 void device_free(void*, int device) { no_device("device_free", device); }

@@ -165,6 +165,15 @@ void* host_device_pointer(void* host_ptr) {
   return device_ptr;
 }
 
+void* host_device_pointer_or_null(void* host_ptr) noexcept {
+  void* device_ptr = nullptr;
+  if (hipHostGetDevicePointer(&device_ptr, host_ptr, 0) != hipSuccess) {
+    (void)hipGetLastError();  // not pinned: not an error for the caller
+    return nullptr;
+  }
+  return device_ptr;
+}
+
 void* device_alloc(std::size_t bytes, int device) {
   DeviceScope scope(device);
   void* p = nullptr;

@@ -80,6 +80,7 @@ py::dict check_host_memory(int device, std::size_t bytes, unsigned flags, bool u
 
 namespace hipferry {
 void bind_pinned_pool(py::module_& m);  // pool_bindings.cpp
+void bind_transfers(py::module_& m);    // transfer_bindings.cpp
 }
 
 PYBIND11_MODULE(_C, m) {
@@ -91,4 +92,5 @@ PYBIND11_MODULE(_C, m) {
   m.def("check_host_memory", &check_host_memory, py::arg("device"), py::arg("bytes"),
         py::arg("flags"), py::arg("use_register") = false);
   bind_pinned_pool(m);
+  bind_transfers(m);
 }

@@ -51,6 +51,7 @@ TEST(Runtime, CpuBuildHostMemoryIsUsable) {
   EXPECT_EQ(reinterpret_cast<std::uintptr_t>(p) % 4096, 0u);
   std::memset(p, 1, 10000);
   EXPECT_EQ(rt::host_device_pointer(p), p);
+  EXPECT_EQ(rt::host_device_pointer_or_null(p), p);
   char back[16];
   rt::memcpy_async(back, p, 16, nullptr);
   EXPECT_EQ(back[15], 1);
@@ -141,8 +142,18 @@ TEST_F(GpuRuntime, RegisteredMemoryHasADevicePointer) {
   void* p = std::aligned_alloc(4096, bytes);
   rt::host_register(p, bytes, rt::kHostMapped | rt::kHostPortable);
   EXPECT_NE(rt::host_device_pointer(p), nullptr);
+  EXPECT_EQ(rt::host_device_pointer_or_null(p), rt::host_device_pointer(p));
   rt::host_unregister(p);
   std::free(p);
+}
+
+TEST_F(GpuRuntime, PageableMemoryHasNoDevicePointerAndLeavesNoError) {
+  std::vector<char> pageable(1 << 16);
+  EXPECT_EQ(rt::host_device_pointer_or_null(pageable.data()), nullptr);
+  EXPECT_THROW(rt::host_device_pointer(pageable.data()), rt::Error);
+  // The failed lookup must not poison the next call.
+  rt::Stream stream(0);
+  EXPECT_TRUE(stream.query());
 }
 
 }  // namespace

@@ -63,3 +63,29 @@ def test_pool_suite_measures_every_contender(tmp_path):
     # Bytes held can never be fewer than bytes asked for.
     assert all(row["value"] >= 1.0 for row in rows if row["measure"].startswith("reserved/requested"))
     assert (tmp_path / "pool.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_transfer_suite_measures_every_case_and_draws_a_timeline(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "hipferry", "bench", "transfer", "--quick", "--max-bytes", "65536",
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "[transfer] 1/" in r.stderr
+    doc = json.loads((tmp_path / "transfer.json").read_text())
+    rows = doc["rows"]
+    bw = [row for row in rows if row["case"] == "bandwidth"]
+    assert sorted({row["bytes"] for row in bw}) == [4096, 16384, 65536]
+    assert {row["direction"] for row in bw} == {"h2d", "d2h"}
+    contenders = {row["contender"] for row in bw}
+    assert {"hipferry prefetch (pool)", "hipferry prefetch (pageable, staged)", "hipferry offload (pool)"} <= contenders
+    assert all(row["GBps"] > 0 and row["fraction_of_best_pinned"] > 0 for row in bw)
+    assert len([row for row in rows if row["case"] == "many_small"]) == 2
+    overlap = [row for row in rows if row["case"] == "overlap"]
+    assert len(overlap) == 4 and all(row["seconds"] > 0 for row in overlap)
+    assert any(row["contender"].startswith("overlapped") and row["overlapped_over_longer"] > 0 for row in overlap)
+    if doc["device"] == "cuda":
+        assert len([row for row in rows if row["case"].startswith("copy_cast")]) == 2
+    for png in ("transfer.png", "transfer_1.png", "transfer_timeline.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+    assert any("transfer_timeline.png" in note for note in doc["notes"])
+    trace = json.loads((tmp_path / "transfer_trace.json").read_text())
+    assert trace["traceEvents"]

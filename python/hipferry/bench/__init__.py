@@ -27,6 +27,7 @@ class Context:
     max_bytes: Optional[int] = None
     repeats: int = 5
     device: str = "cpu"          # where the suites run: "cpu" or "cuda"
+    out_dir: Optional[str] = None  # set by run(): where suites may write extra files
 
     def progress(self, suite_name: str, i: int, n: int, what: str) -> None:
         sys.stderr.write(f"[{suite_name}] {i}/{n} {what}\n")
@@ -123,7 +124,7 @@ def available() -> List[str]:
 
 
 def _load_suites() -> None:
-    from . import copy_cast_suite, pool_suite  # noqa: F401  (register themselves)
+    from . import copy_cast_suite, pool_suite, transfer_suite  # noqa: F401  (register themselves)
 
 
 def run(names: List[str], out_dir: str, ctx: Context) -> Dict[str, dict]:
@@ -132,6 +133,7 @@ def run(names: List[str], out_dir: str, ctx: Context) -> Dict[str, dict]:
     if unknown:
         raise ValueError(f"hipferry bench: unknown suite(s) {unknown}; expected one of {sorted(_SUITES)}")
     os.makedirs(out_dir, exist_ok=True)
+    ctx.out_dir = out_dir
     results = {}
     for name in names or sorted(_SUITES):
         res: SuiteResult = _SUITES[name](ctx)

@@ -1,0 +1,351 @@
+// The transfer engine: checks a request, allocates the results, resolves
+// tensors into raw copy items and hands them to a path (transfer_paths.cpp);
+// owns the copy streams, the worker and the release list.
+#include "torch/transfer_engine.h"
+
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+
+#include <chrono>
+#include <string>
+#include <thread>
+#include <utility>
+
+#include "torch/copy_cast_checks.h"
+#include "torch/current_stream.h"
+#include "torch/pinned_pool.h"
+#include "torch/transfer_paths.h"
+
+namespace hipferry {
+namespace {
+
+// Holdings let go of once their transfer has completed.
+struct Holding {
+  Completion completion;
+  std::vector<at::Tensor> tensors;
+};
+
+class Engine {
+ public:
+  // Never destroyed: handles may outlive static destruction, and the worker
+  // and streams must not be torn down under them at exit.
+  static Engine& get() {
+    static Engine* engine = new Engine();
+    return *engine;
+  }
+
+  transfer::SerialWorker& worker() { return worker_; }
+  engine::Counters& counters() { return counters_; }
+
+  // The copy stream of one direction on `device`, created on first use.
+  rt::StreamHandle copy_stream(int device, bool to_device) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto& streams = to_device ? h2d_ : d2h_;
+      if (device < static_cast<int>(streams.size()) && streams[device]) return streams[device]->handle();
+    }
+    auto created = std::make_unique<rt::Stream>(device);  // runtime call: outside the lock
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto& streams = to_device ? h2d_ : d2h_;
+    if (device >= static_cast<int>(streams.size())) streams.resize(device + 1);
+    if (!streams[device]) streams[device] = std::move(created);  // else a racing thread's stream wins
+    return streams[device]->handle();
+  }
+
+  void release_after(const Completion& completion, std::vector<at::Tensor> tensors) {
+    if (tensors.empty()) return;
+    if (completion.done()) return;  // tensors die here
+    std::lock_guard<std::mutex> lock(mutex_);
+    releases_.push_back(Holding{completion, std::move(tensors)});
+  }
+
+  std::size_t poll() {
+    std::vector<Holding> holdings;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      holdings.swap(releases_);
+    }
+    std::vector<Holding> still;
+    std::size_t released = 0;
+    for (Holding& h : holdings) {  // runtime queries: outside the lock
+      bool done = false;
+      try {
+        done = h.completion.done();
+        if (done && h.completion.ticket != 0) worker_.wait(h.completion.ticket);  // consumes an unwaited error
+      } catch (...) {
+        done = true;  // it failed; it has stopped either way
+      }
+      if (done) {
+        ++released;
+      } else {
+        still.push_back(std::move(h));
+      }
+    }
+    holdings.clear();  // tensors die here, outside the lock
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (Holding& h : still) releases_.push_back(std::move(h));
+    return released;
+  }
+
+  std::size_t pending() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return releases_.size();
+  }
+
+ private:
+  Engine() = default;
+  transfer::SerialWorker worker_{"hipferry transfer worker"};
+  engine::Counters counters_;
+  std::mutex mutex_;  // guards h2d_, d2h_, releases_; never held across a runtime call
+  std::vector<std::unique_ptr<rt::Stream>> h2d_, d2h_;  // by device
+  std::vector<Holding> releases_;
+};
+
+// "torch.float16", as Python users spell it.
+std::string dtype_name(at::ScalarType t) { return "torch." + std::string(c10::getDtypeNames(t).first); }
+
+bool convertible(at::ScalarType t) {
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+}
+
+// The device address of a host tensor's data when it is pinned and mapped.
+void* mapped_address(const at::Tensor& t) {
+  if (t.numel() == 0) return nullptr;
+  void* base = t.storage().mutable_data();
+  void* mapped = rt::host_device_pointer_or_null(base);
+  if (mapped == nullptr) return nullptr;
+  return static_cast<char*>(mapped) + (static_cast<char*>(t.data_ptr()) - static_cast<char*>(base));
+}
+
+engine::CopyItem item_of(const at::Tensor& src, const at::Tensor& dst) {
+  engine::CopyItem it;
+  it.src = src.data_ptr();
+  it.dst = dst.data_ptr();
+  it.elements = src.numel();
+  it.src_element_bytes = src.element_size();
+  it.dst_element_bytes = dst.element_size();
+  it.convert = src.scalar_type() != dst.scalar_type();
+  if (it.convert) {
+    it.src_type = element_type_of(src);
+    it.dst_type = element_type_of(dst);
+  }
+  return it;
+}
+
+}  // namespace
+
+bool Completion::done() const {
+  if (ticket != 0 && !Engine::get().worker().reached(ticket)) return false;
+  return !event || event->query();
+}
+
+Transfer::~Transfer() {
+  if (state_ != State::kPending) return;
+  std::vector<at::Tensor> holdings = std::move(keepalive_);
+  for (auto& t : results_) holdings.push_back(std::move(t));
+  try {
+    Engine::get().release_after(completion_, std::move(holdings));
+  } catch (...) {  // a destructor must not throw; the holdings then die with the handle
+  }
+}
+
+void Transfer::fail(const std::string& why) {
+  state_ = State::kFailed;
+  error_ = why;
+  // Work already on the copy stream may still touch what we hold.
+  std::vector<at::Tensor> holdings = std::move(keepalive_);
+  for (auto& t : results_) holdings.push_back(std::move(t));
+  results_.clear();
+  Completion after = completion_;
+  after.ticket = 0;  // the worker part has ended (it failed)
+  Engine::get().release_after(after, std::move(holdings));
+}
+
+void Transfer::finish_worker_part() {
+  if (completion_.ticket == 0) return;
+  try {
+    Engine::get().worker().wait(completion_.ticket);
+  } catch (const std::exception& e) {
+    fail(e.what());
+  }
+}
+
+bool Transfer::ready() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Engine::get().poll();
+  if (state_ == State::kFailed) return true;
+  return completion_.done();
+}
+
+void Transfer::synchronize() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (state_ == State::kPending) finish_worker_part();
+  TORCH_CHECK(state_ != State::kFailed, "hipferry.Transfer: the copy failed: ", error_);
+  if (completion_.event) completion_.event->synchronize();
+}
+
+std::vector<at::Tensor> Transfer::wait() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(state_ != State::kWaited,
+              "hipferry.Transfer.wait: this transfer was already waited on; wait() hands the results over "
+              "once (keep what the first call returned)");
+  if (state_ == State::kPending) finish_worker_part();
+  TORCH_CHECK(state_ != State::kFailed, "hipferry.Transfer.wait: the copy failed, its results were discarded: ",
+              error_);
+  if (completion_.event && device_.is_cuda()) {
+    // The consumer is the current stream: it waits, the host does not. The
+    // stream the results were allocated on waits too, so torch's allocator
+    // never hands their memory to work that could run before the copy.
+    const rt::StreamHandle current = current_torch_stream(copy_device_);
+    completion_.event->block_stream(current);
+    if (alloc_stream_ != current) completion_.event->block_stream(alloc_stream_);
+    Engine::get().release_after(completion_, std::move(keepalive_));
+  } else {
+    if (completion_.event) completion_.event->synchronize();  // the consumer is the host
+    keepalive_.clear();
+  }
+  state_ = State::kWaited;
+  return std::move(results_);
+}
+
+std::shared_ptr<Transfer> start_transfer(TransferRequest r) {
+  Engine& engine = Engine::get();
+  engine.poll();
+  const bool prefetch = r.kind == TransferKind::kPrefetch;
+  const char* api = prefetch ? "hipferry.prefetch" : "hipferry.offload";
+
+  // --- arguments (nothing is allocated or queued until all are checked) ---
+  c10::Device where = prefetch ? r.device : c10::Device(c10::kCPU);
+  for (std::size_t i = 0; i < r.sources.size(); ++i) {
+    const at::Tensor& t = r.sources[i];
+    TORCH_CHECK_VALUE(t.defined(), api, ": tensors[", i, "] is an undefined tensor; expected a tensor");
+    TORCH_CHECK_VALUE(t.layout() == at::kStrided, api, ": tensors[", i, "] has layout ", t.layout(),
+                      "; expected strided (dense) tensors");
+    if (prefetch) {
+      TORCH_CHECK_VALUE(t.is_cpu(), api, ": tensors[", i, "] is on ", t.device(),
+                        "; expected host (CPU) tensors to move to ", r.device);
+    } else {
+      TORCH_CHECK_VALUE(t.is_cpu() || t.is_cuda(), api, ": tensors[", i, "] is on ", t.device(),
+                        "; expected tensors on a GPU (or the CPU)");
+      if (i == 0) where = t.device();
+      TORCH_CHECK_VALUE(t.device() == where, api, ": tensors[", i, "] is on ", t.device(), " but tensors[0] is on ",
+                        where, "; expected every tensor on one device");
+    }
+    if (r.dtype && *r.dtype != t.scalar_type()) {
+      TORCH_CHECK_VALUE(convertible(t.scalar_type()) && convertible(*r.dtype), api, ": dtype ",
+                        dtype_name(*r.dtype), " cannot be produced from tensors[", i, "] of dtype ",
+                        dtype_name(t.scalar_type()),
+                        "; expected conversions among float32, float16 and bfloat16 (or dtype=None)");
+    }
+  }
+  TORCH_CHECK_VALUE(where.is_cpu() || where.is_cuda(), api, ": device ", where,
+                    " is not supported; expected 'cpu' or a GPU ('cuda', 'cuda:N')");
+  const bool gpu = where.is_cuda();
+  int device = -1;
+  if (gpu) {
+    const int count = rt::device_count();
+    TORCH_CHECK_VALUE(rt::build_info().platform != "cpu", api, ": device ", where,
+                      " needs a GPU build of hipferry, but this one is CPU-only; expected device='cpu'");
+    device = where.has_index() ? where.index() : current_torch_device();
+    TORCH_CHECK_VALUE(device >= 0 && device < count, api, ": device cuda:", device, " does not exist; hipferry sees ",
+                      count, " GPU(s)");
+    where = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device));
+  }
+  auto pool = pinned_pool(r.pool_id);
+  TORCH_CHECK(!pool->closed(), api, ": the pool is closed; expected an open PinnedPool");
+
+  auto handle = std::make_shared<Transfer>();
+  handle->device_ = prefetch ? where : c10::Device(c10::kCPU);
+  handle->results_count_ = r.sources.size();
+
+  // --- results; sources made contiguous (on the current stream when on a GPU) ---
+  std::vector<at::Tensor> sources, results;
+  for (const at::Tensor& t : r.sources) {
+    at::Tensor src = t.contiguous();
+    const at::ScalarType out_type = r.dtype.value_or(t.scalar_type());
+    at::Tensor dst = prefetch ? at::empty(t.sizes(), at::TensorOptions().dtype(out_type).device(where))
+                              : pool_empty(r.pool_id, t.sizes(), out_type);  // OutOfMemoryError: nothing queued
+    handle->nbytes_ += dst.nbytes();
+    sources.push_back(std::move(src));
+    results.push_back(std::move(dst));
+  }
+  std::vector<engine::CopyItem> items;
+  for (std::size_t i = 0; i < sources.size(); ++i) {
+    if (sources[i].numel() == 0) continue;
+    engine::CopyItem it = item_of(sources[i], results[i]);
+    if (gpu && prefetch) it.src_mapped = mapped_address(sources[i]);
+    if (gpu && !prefetch) {
+      it.dst_mapped = mapped_address(results[i]);
+      TORCH_CHECK_VALUE(!it.convert || it.dst_mapped != nullptr, api, ": dtype conversion on the way to the host ",
+                        "writes pinned memory from a kernel, but the pool's memory is not mapped; expected a "
+                        "PinnedPool(mapped=True) (the default) or dtype=None");
+    }
+    items.push_back(it);
+  }
+
+  engine::PathContext ctx{engine.worker(), engine.counters(), pool};
+  engine.counters().transfers += 1;
+  engine.counters().bytes += handle->nbytes_;
+  if (!gpu) {
+    handle->completion_.ticket = engine::run_on_worker(ctx, std::move(items));
+  } else {
+    const rt::StreamHandle producer = current_torch_stream(device);
+    const rt::StreamHandle copy = engine.copy_stream(device, prefetch);
+    auto start = std::make_shared<rt::Event>(device);
+    auto done = std::make_shared<rt::Event>(device);
+    start->record(producer);
+    start->block_stream(copy);  // ordered after the work that produced the sources
+    handle->copy_device_ = device;
+    handle->copy_stream_ = copy;
+    handle->alloc_stream_ = producer;
+    handle->completion_.event = done;
+    try {
+      if (prefetch) {
+        handle->completion_.ticket =
+            engine::run_host_to_device(ctx, std::move(items), device, copy, done, handle->keepalive_);
+      } else {
+        engine::run_device_to_host(ctx, std::move(items), device, copy, std::move(done));
+      }
+    } catch (const std::exception& e) {
+      try {
+        handle->completion_.event->record(copy);  // covers whatever was queued
+      } catch (...) {
+      }
+      for (auto& t : sources) handle->keepalive_.push_back(t);
+      handle->results_ = std::move(results);
+      handle.reset();  // the destructor hands everything to the release list
+      TORCH_CHECK(false, api, ": ", e.what());
+    }
+  }
+  for (auto& t : sources) handle->keepalive_.push_back(std::move(t));
+  handle->results_ = std::move(results);
+  return handle;
+}
+
+TransferStats transfer_stats() {
+  Engine& e = Engine::get();
+  e.poll();
+  const engine::Counters& c = e.counters();
+  TransferStats s;
+  s.transfers = c.transfers;
+  s.bytes = c.bytes;
+  s.packed_batches = c.packed_batches;
+  s.packed_tensors = c.packed_tensors;
+  s.staged_chunks = c.staged_chunks;
+  s.direct_copies = c.direct_copies;
+  s.worker_tasks = c.worker_tasks;
+  s.pending_releases = e.pending();
+  return s;
+}
+
+std::size_t poll_transfer_releases() { return Engine::get().poll(); }
+
+void transfer_worker_sleep(double milliseconds) {
+  TORCH_CHECK_VALUE(milliseconds >= 0 && milliseconds <= 60000,
+                    "hipferry._C.transfer_worker_sleep: ms must be in [0, 60000], got ", milliseconds);
+  Engine::get().worker().submit([milliseconds] {
+    std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(milliseconds));
+  });
+}
+
+}  // namespace hipferry

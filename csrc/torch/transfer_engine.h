@@ -1,0 +1,125 @@
+// The transfer engine: asynchronous host<->device copies of many tensors,
+// behind the `Transfer` handle that hipferry.prefetch / hipferry.offload return.
+//
+// Note [hipferry transfer engine]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Where the work runs:
+//   * per GPU, one host->device and one device->host copy stream (both
+//     directions overlap compute and each other). A transfer's stream first
+//     waits for an event recorded on the caller's current stream, so the copy
+//     is ordered after the work that produced the source;
+//   * one serial worker thread for host-side work: packing pageable tensors
+//     into pinned staging blocks and staging large pageable tensors through a
+//     small ring of pool blocks (the caller never waits for a host memcpy), and
+//     the whole copy when the destination is the CPU (CPU-only build).
+// What runs where (see transfer_paths.cpp):
+//   host->device  small pinned tensors: one gather/scatter kernel reading mapped memory;
+//                 small pageable: worker packs into one pool block, one copy, one scatter kernel;
+//                 large pinned: one async copy (or one copy_cast kernel when converting);
+//                 large pageable: worker stages chunks through a ring of pool blocks.
+//   device->host  small: one kernel writing every destination's mapped address;
+//                 large: one async copy (or one copy_cast kernel) per tensor.
+// Invariants (design principle 4, stream-ordered lifetimes, no record_stream):
+//   * a transfer is complete when its worker ticket has run AND its completion
+//     event has passed; the event is recorded after all of its stream work;
+//   * sources, device scratch and (until .wait()) results are held by the
+//     handle; a handle dropped or waited on hands what it holds to the engine's
+//     release list, which lets go of it only once the completion is observed
+//     by the host -- never guessed from stream order;
+//   * pool blocks used by a copy go back through HostPool::record_use, so the
+//     pool reuses them only after the copy;
+//   * the worker never owns an at::Tensor (dropping one may need the GIL that
+//     a waiting caller holds); it sees raw pointers that the handle keeps valid;
+//   * no lock is held across a runtime call or a worker wait.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "runtime.h"
+
+namespace hipferry {
+
+enum class TransferKind { kPrefetch, kOffload };
+
+struct TransferRequest {
+  TransferKind kind = TransferKind::kPrefetch;
+  std::vector<at::Tensor> sources;
+  c10::Device device{c10::kCPU};  // prefetch: the destination; offload: ignored
+  std::optional<at::ScalarType> dtype;  // nullopt: keep each source's dtype
+  std::int64_t pool_id = 0;             // staging blocks and offload destinations
+};
+
+// When a transfer's work is done. Both parts are optional.
+struct Completion {
+  std::uint64_t ticket = 0;           // worker task (0: none)
+  std::shared_ptr<rt::Event> event;   // after all stream work (nullptr: none)
+  bool done() const;                  // never blocks
+};
+
+class Transfer {
+ public:
+  Transfer() = default;
+  ~Transfer();
+  Transfer(const Transfer&) = delete;
+  Transfer& operator=(const Transfer&) = delete;
+
+  // True once the copy has finished (or failed; wait() then says why).
+  bool ready();
+  // Blocks the calling thread until the copy has finished; rethrows its error.
+  void synchronize();
+  // Hands the results over, once. Device results: the caller's current stream
+  // waits for the copy (the host does not). Host results: the host waits.
+  std::vector<at::Tensor> wait();
+
+  c10::Device device() const { return device_; }
+  std::size_t nbytes() const { return nbytes_; }
+  std::size_t num_tensors() const { return results_count_; }
+
+ private:
+  friend std::shared_ptr<Transfer> start_transfer(struct TransferRequest request);
+  enum class State { kPending, kWaited, kFailed };
+  void finish_worker_part();  // waits for the worker task; on error: fails the transfer
+  void fail(const std::string& why);
+
+  std::mutex mutex_;  // guards every field below (Python threads may share a handle)
+  State state_ = State::kPending;
+  std::string error_;                  // why it failed
+  Completion completion_;
+  int copy_device_ = -1;               // GPU whose copy stream ran it, -1 for the worker
+  rt::StreamHandle copy_stream_ = nullptr;
+  rt::StreamHandle alloc_stream_ = nullptr;  // where device results were allocated
+  std::vector<at::Tensor> results_;
+  std::vector<at::Tensor> keepalive_;  // sources and scratch, until complete
+  c10::Device device_{c10::kCPU};
+  std::size_t nbytes_ = 0;
+  std::size_t results_count_ = 0;
+};
+
+std::shared_ptr<Transfer> start_transfer(TransferRequest request);
+
+struct TransferStats {
+  std::uint64_t transfers = 0;
+  std::uint64_t bytes = 0;            // destination bytes written
+  std::uint64_t packed_batches = 0;   // gather/scatter launches and packed staging copies
+  std::uint64_t packed_tensors = 0;
+  std::uint64_t staged_chunks = 0;    // pageable chunks through pinned blocks
+  std::uint64_t direct_copies = 0;    // one copy or copy_cast kernel per tensor
+  std::uint64_t worker_tasks = 0;
+  std::size_t pending_releases = 0;   // holdings waiting for their completion
+};
+TransferStats transfer_stats();
+
+// Lets go of released holdings whose transfers have completed; returns how many.
+std::size_t poll_transfer_releases();
+
+// Tests: queue a sleep on the transfer worker (holds later transfers in flight).
+void transfer_worker_sleep(double milliseconds);
+
+}  // namespace hipferry

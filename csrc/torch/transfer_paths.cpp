@@ -1,0 +1,315 @@
+// The transfer engine's execution paths (see transfer_paths.h).
+#include "torch/transfer_paths.h"
+
+#include <ATen/ops/empty.h>
+
+#include <cstring>
+#include <string>
+#include <utility>
+
+#include "batched_copy_kernel.h"
+#include "copy_cast_kernel.h"
+#include "core/copy_cast_cpu.h"
+#include "torch/trace_session.h"
+#include "transfer/transfer_plan.h"
+
+namespace hipferry::engine {
+namespace {
+
+using transfer::Chunk;
+using transfer::PackedBatch;
+using transfer::TransferItem;
+
+constexpr std::size_t kAlign = 256;
+constexpr int kStagingRing = 3;  // pageable chunks in flight per transfer
+
+std::size_t round_up(std::size_t n, std::size_t m) { return (n + m - 1) / m * m; }
+
+// Runtime calls below go to `device`; the previous current device comes back.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) : previous_(rt::current_device()) {
+    if (previous_ != device) rt::set_device(device);
+  }
+  ~DeviceScope() {
+    try {
+      if (previous_ != rt::current_device()) rt::set_device(previous_);
+    } catch (...) {
+    }
+  }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  int previous_;
+};
+
+// Host side of one item's elements [first, first + n) into `out` (dst dtype).
+void host_copy(const CopyItem& it, std::int64_t first, std::int64_t n, void* out) {
+  const char* src = static_cast<const char*>(it.src) + first * static_cast<std::int64_t>(it.src_element_bytes);
+  if (it.convert) {
+    copy_cast_cpu(src, it.src_type, out, it.dst_type, 0, n);
+  } else {
+    std::memcpy(out, src, static_cast<std::size_t>(n) * it.src_element_bytes);
+  }
+}
+
+char* byte_offset(void* p, std::size_t bytes) { return static_cast<char*>(p) + bytes; }
+const char* byte_offset(const void* p, std::size_t bytes) { return static_cast<const char*>(p) + bytes; }
+
+// A pool block released after `stream` has passed the work enqueued so far.
+// If even the event cannot be recorded, the block stays allocated: a leaked
+// block is better than one reused while a copy may still read it.
+void release_after_stream(pool::HostPool& pool, void* host, int device, rt::StreamHandle stream) {
+  try {
+    pool.record_use(host, pool::StreamUse{device, stream});
+  } catch (...) {
+    return;
+  }
+  pool.deallocate(host);
+}
+
+// Plans items whose bytes on the wire are `wire_element_bytes` each.
+transfer::TransferPlan plan_items(const std::vector<CopyItem>& items, bool wire_is_dst) {
+  std::vector<TransferItem> plan_items;
+  plan_items.reserve(items.size());
+  for (const CopyItem& it : items) {
+    const std::size_t wire = wire_is_dst ? it.dst_element_bytes : it.src_element_bytes;
+    plan_items.push_back({static_cast<std::size_t>(it.elements), wire, wire});
+  }
+  return transfer::plan_transfer(plan_items);
+}
+
+// One kernel for many jobs; the job table lives in a mapped pool block that
+// goes back once the stream has passed the kernel. Returns false, having
+// enqueued nothing, when the pool's memory is not mapped (no table possible).
+bool launch_jobs(PathContext& ctx, const std::vector<gpu::CopyJobSpec>& jobs, int device, rt::StreamHandle stream,
+                 bool to_device, std::size_t bytes) {
+  if (jobs.empty()) return true;
+  const pool::HostPool::Allocation table = ctx.pool->allocate(gpu::batched_copy_table_bytes(jobs.size()));
+  if (table.device == nullptr) {
+    ctx.pool->deallocate(table.host);
+    return false;
+  }
+  tracing::StreamSpan span(device, stream, to_device,
+                           "batched copy (" + std::to_string(jobs.size()) + " tensors)", "kernel", bytes);
+  try {
+    gpu::launch_batched_copy(jobs.data(), jobs.size(), table.host, table.device, stream, device);
+  } catch (...) {
+    release_after_stream(*ctx.pool, table.host, device, stream);
+    throw;
+  }
+  span.end();
+  release_after_stream(*ctx.pool, table.host, device, stream);
+  ctx.counters.packed_batches += 1;
+  ctx.counters.packed_tensors += jobs.size();
+  return true;
+}
+
+gpu::CopyJobSpec job_of(const CopyItem& it, const void* src, void* dst) {
+  gpu::CopyJobSpec j;
+  j.src = src;
+  j.dst = dst;
+  j.convert = it.convert;
+  j.src_type = it.src_type;
+  j.dst_type = it.dst_type;
+  j.count = it.convert ? it.elements : static_cast<std::int64_t>(it.dst_bytes());
+  return j;
+}
+
+// Host -> device of pageable items, on the worker: small ones packed into one
+// pool block (converted on the host while packing), one copy into device
+// scratch, one scatter kernel; large ones through a ring of pool blocks.
+struct StagedJob {
+  std::vector<CopyItem> items;
+  transfer::TransferPlan plan;
+  std::vector<std::size_t> scratch_offsets;  // per batch, into scratch
+  void* scratch = nullptr;
+};
+
+void stage_batches(PathContext& ctx, const StagedJob& job, int device, rt::StreamHandle stream) {
+  for (std::size_t b = 0; b < job.plan.batches.size(); ++b) {
+    const PackedBatch& batch = job.plan.batches[b];
+    const std::size_t table_offset = round_up(batch.staging_bytes, kAlign);
+    const pool::HostPool::Allocation block =
+        ctx.pool->allocate(table_offset + gpu::batched_copy_table_bytes(batch.slots.size()));
+    try {
+      const std::int64_t t0 = tracing::now_ns();
+      for (const transfer::PackedSlot& s : batch.slots) {
+        const CopyItem& it = job.items[s.item];
+        host_copy(it, 0, it.elements, byte_offset(block.host, s.staging_offset));
+      }
+      tracing::add_host_span("pack " + std::to_string(batch.slots.size()) + " tensors", "pack",
+                             tracing::worker_track(), t0, tracing::now_ns(), batch.staging_bytes);
+      char* scratch = byte_offset(job.scratch, job.scratch_offsets[b]);
+      tracing::StreamSpan copy(device, stream, true, "packed copy", "copy", batch.staging_bytes);
+      rt::memcpy_async(scratch, block.host, batch.staging_bytes, stream);
+      copy.end();
+      std::vector<gpu::CopyJobSpec> jobs;
+      for (const transfer::PackedSlot& s : batch.slots) {
+        CopyItem plain = job.items[s.item];
+        plain.convert = false;  // converted while packing
+        jobs.push_back(job_of(plain, scratch + s.staging_offset, plain.dst));
+      }
+      tracing::StreamSpan scatter(device, stream, true, "scatter " + std::to_string(jobs.size()) + " tensors",
+                                  "kernel", batch.staging_bytes);
+      if (block.device != nullptr) {
+        gpu::launch_batched_copy(jobs.data(), jobs.size(), byte_offset(block.host, table_offset),
+                                 byte_offset(block.device, table_offset), stream, device);
+      } else {
+        for (const auto& j : jobs) rt::memcpy_async(j.dst, j.src, static_cast<std::size_t>(j.count), stream);
+      }
+      scatter.end();
+    } catch (...) {
+      release_after_stream(*ctx.pool, block.host, device, stream);
+      throw;
+    }
+    release_after_stream(*ctx.pool, block.host, device, stream);
+    ctx.counters.packed_batches += 1;
+    ctx.counters.packed_tensors += batch.slots.size();
+  }
+}
+
+void stage_chunks(PathContext& ctx, const StagedJob& job, int device, rt::StreamHandle stream) {
+  if (job.plan.chunks.empty()) return;
+  std::size_t slot_bytes = 0;
+  for (const Chunk& c : job.plan.chunks) {
+    slot_bytes = std::max(slot_bytes, c.elements * job.items[c.item].dst_element_bytes);
+  }
+  struct Slot {
+    pool::HostPool::Allocation block;
+    std::unique_ptr<rt::Event> copied;  // recorded after the copy out of `block`
+  };
+  std::vector<Slot> ring;
+  try {
+    for (std::size_t k = 0; k < job.plan.chunks.size(); ++k) {
+      const Chunk& c = job.plan.chunks[k];
+      const CopyItem& it = job.items[c.item];
+      if (ring.size() < kStagingRing && k == ring.size()) {
+        ring.push_back(Slot{ctx.pool->allocate(slot_bytes), std::make_unique<rt::Event>(device)});
+      } else {
+        ring[k % ring.size()].copied->synchronize();  // its previous chunk has left the block
+      }
+      Slot& slot = ring[k % ring.size()];
+      const std::int64_t t0 = tracing::now_ns();
+      host_copy(it, static_cast<std::int64_t>(c.first_element), static_cast<std::int64_t>(c.elements),
+                slot.block.host);
+      const std::size_t bytes = c.elements * it.dst_element_bytes;
+      tracing::add_host_span("stage chunk", "pack", tracing::worker_track(), t0, tracing::now_ns(), bytes);
+      tracing::StreamSpan span(device, stream, true, "staged copy", "copy", bytes);
+      rt::memcpy_async(byte_offset(it.dst, c.first_element * it.dst_element_bytes), slot.block.host, bytes, stream);
+      span.end();
+      slot.copied->record(stream);
+      ctx.counters.staged_chunks += 1;
+    }
+  } catch (...) {
+    for (Slot& s : ring) release_after_stream(*ctx.pool, s.block.host, device, stream);
+    throw;
+  }
+  for (Slot& s : ring) release_after_stream(*ctx.pool, s.block.host, device, stream);
+}
+
+// One copy (or one copy_cast kernel) for a whole large item.
+void direct_copy(PathContext& ctx, const CopyItem& it, int device, rt::StreamHandle stream, bool to_device) {
+  tracing::StreamSpan span(device, stream, to_device, it.convert ? "copy_cast" : "copy",
+                           it.convert ? "kernel" : "copy", it.dst_bytes());
+  if (it.convert) {
+    const void* src = to_device ? it.src_mapped : it.src;
+    void* dst = to_device ? it.dst : it.dst_mapped;
+    gpu::launch_copy_cast(src, it.src_type, dst, it.dst_type, it.elements, stream, device);
+  } else {
+    rt::memcpy_async(it.dst, it.src, it.dst_bytes(), stream);
+  }
+  span.end();
+  ctx.counters.direct_copies += 1;
+}
+
+// Items whose host side is mapped: small ones by batched kernels (a gather
+// or scatter over mapped memory), large ones by one copy each.
+void run_direct(PathContext& ctx, const std::vector<CopyItem>& items, int device, rt::StreamHandle stream,
+                bool to_device) {
+  const transfer::TransferPlan plan = plan_items(items, /*wire_is_dst=*/!to_device);
+  for (const PackedBatch& batch : plan.batches) {
+    std::vector<gpu::CopyJobSpec> jobs;
+    for (const transfer::PackedSlot& s : batch.slots) {
+      const CopyItem& it = items[s.item];
+      jobs.push_back(job_of(it, to_device ? it.src_mapped : it.src, to_device ? it.dst : it.dst_mapped));
+    }
+    if (!launch_jobs(ctx, jobs, device, stream, to_device, batch.staging_bytes)) {
+      for (const transfer::PackedSlot& s : batch.slots) direct_copy(ctx, items[s.item], device, stream, to_device);
+    }
+  }
+  const CopyItem* last = nullptr;
+  for (const Chunk& c : plan.chunks) {  // whole items: the copy engine splits them itself
+    if (last == &items[c.item]) continue;
+    last = &items[c.item];
+    direct_copy(ctx, *last, device, stream, to_device);
+  }
+}
+
+}  // namespace
+
+std::uint64_t run_host_to_device(PathContext& ctx, std::vector<CopyItem> items, int device, rt::StreamHandle stream,
+                                 std::shared_ptr<rt::Event> done, std::vector<at::Tensor>& scratch) {
+  DeviceScope scope(device);
+  std::vector<CopyItem> pinned;
+  auto job = std::make_shared<StagedJob>();
+  for (CopyItem& it : items) (it.src_mapped != nullptr ? pinned : job->items).push_back(it);
+  run_direct(ctx, pinned, device, stream, /*to_device=*/true);
+  if (job->items.empty()) {
+    done->record(stream);
+    return 0;
+  }
+  job->plan = plan_items(job->items, /*wire_is_dst=*/true);
+  std::size_t scratch_bytes = 0;
+  for (const PackedBatch& b : job->plan.batches) {
+    job->scratch_offsets.push_back(scratch_bytes);
+    scratch_bytes = round_up(scratch_bytes + b.staging_bytes, kAlign);
+  }
+  if (scratch_bytes > 0) {
+    at::Tensor buffer = at::empty({static_cast<std::int64_t>(scratch_bytes)},
+                                  at::TensorOptions().dtype(at::kByte).device(c10::kCUDA, device));
+    job->scratch = buffer.data_ptr();
+    scratch.push_back(std::move(buffer));
+  }
+  ctx.counters.worker_tasks += 1;
+  PathContext worker_ctx = ctx;
+  return ctx.worker.submit([worker_ctx, job, device, stream, done]() mutable {
+    DeviceScope worker_scope(device);
+    try {
+      stage_batches(worker_ctx, *job, device, stream);
+      stage_chunks(worker_ctx, *job, device, stream);
+    } catch (...) {
+      try {
+        done->record(stream);  // completion still covers what was enqueued
+      } catch (...) {
+      }
+      throw;
+    }
+    done->record(stream);
+  });
+}
+
+void run_device_to_host(PathContext& ctx, std::vector<CopyItem> items, int device, rt::StreamHandle stream,
+                        std::shared_ptr<rt::Event> done) {
+  DeviceScope scope(device);
+  run_direct(ctx, items, device, stream, /*to_device=*/false);
+  done->record(stream);
+}
+
+std::uint64_t run_on_worker(PathContext& ctx, std::vector<CopyItem> items) {
+  ctx.counters.worker_tasks += 1;
+  ctx.counters.direct_copies += items.size();
+  return ctx.worker.submit([items = std::move(items)] {
+    const std::int64_t t0 = tracing::now_ns();
+    std::size_t bytes = 0;
+    for (const CopyItem& it : items) {
+      host_copy(it, 0, it.elements, it.dst);
+      bytes += it.dst_bytes();
+    }
+    tracing::add_host_span("copy " + std::to_string(items.size()) + " tensors", "copy", tracing::worker_track(), t0,
+                           tracing::now_ns(), bytes);
+  });
+}
+
+}  // namespace hipferry::engine
