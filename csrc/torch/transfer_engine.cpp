@@ -111,15 +111,16 @@ bool convertible(at::ScalarType t) {
 // The device address of a host tensor's data when it is pinned and mapped.
 void* mapped_address(const at::Tensor& t) {
   if (t.numel() == 0) return nullptr;
-  void* base = t.storage().mutable_data();
-  void* mapped = rt::host_device_pointer_or_null(base);
+  // data(), not mutable_data(): asking must not materialize a copy-on-write storage.
+  auto* base = static_cast<const char*>(t.storage().data());
+  void* mapped = rt::host_device_pointer_or_null(const_cast<char*>(base));
   if (mapped == nullptr) return nullptr;
-  return static_cast<char*>(mapped) + (static_cast<char*>(t.data_ptr()) - static_cast<char*>(base));
+  return static_cast<char*>(mapped) + (static_cast<const char*>(t.const_data_ptr()) - base);
 }
 
 engine::CopyItem item_of(const at::Tensor& src, const at::Tensor& dst) {
   engine::CopyItem it;
-  it.src = src.data_ptr();
+  it.src = src.const_data_ptr();
   it.dst = dst.data_ptr();
   it.elements = src.numel();
   it.src_element_bytes = src.element_size();

@@ -230,6 +230,14 @@ void run_direct(PathContext& ctx, const std::vector<CopyItem>& items, int device
                 bool to_device) {
   const transfer::TransferPlan plan = plan_items(items, /*wire_is_dst=*/!to_device);
   for (const PackedBatch& batch : plan.batches) {
+    bool all_mapped = true;  // a host side without a device address cannot be reached by a kernel
+    for (const transfer::PackedSlot& s : batch.slots) {
+      all_mapped = all_mapped && (to_device ? items[s.item].src_mapped : items[s.item].dst_mapped) != nullptr;
+    }
+    if (!all_mapped) {
+      for (const transfer::PackedSlot& s : batch.slots) direct_copy(ctx, items[s.item], device, stream, to_device);
+      continue;
+    }
     std::vector<gpu::CopyJobSpec> jobs;
     for (const transfer::PackedSlot& s : batch.slots) {
       const CopyItem& it = items[s.item];

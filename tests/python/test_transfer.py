@@ -95,7 +95,7 @@ def start(direction, tensors, device, **kw):
     """prefetch host -> `device`, or offload `device` -> host (sources moved to `device` first)."""
     if direction == "prefetch":
         return hipferry.prefetch(tensors, device, **kw)
-    return hipferry.offload(tree_map(lambda x: x.to(device), tensors), **kw)
+    return hipferry.offload(tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, tensors), **kw)
 
 
 def check_same(got, want):
