@@ -1,4 +1,5 @@
 """The examples run end to end (small sizes) and report bit-identical results."""
+import json
 import pathlib
 import subprocess
 import sys
@@ -33,3 +34,32 @@ def test_convert_weights_rejects_bad_arguments():
     r = subprocess.run([sys.executable, str(EXAMPLES / "convert_weights.py"), "--width", "100"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--width" in r.stderr
+
+
+def _run_prefetch_pipeline(device, tmp_path):
+    r = subprocess.run([sys.executable, str(EXAMPLES / "prefetch_pipeline.py"), "--steps", "3", "--batch", "8",
+                        "--width", "64", "--layers", "1", "--device", device, "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "outputs bit-identical between the two loops: True" in r.stdout
+    assert "[traced run] batch 3/3" in r.stderr  # progress
+    trace = json.loads((tmp_path / "prefetch_pipeline.json").read_text())
+    names = {e.get("name") for e in trace["traceEvents"]}
+    assert {"compute batch 0", "compute batch 2"} <= names
+    return r.stdout
+
+
+def test_prefetch_pipeline_on_cpu(tmp_path):
+    _run_prefetch_pipeline("cpu", tmp_path)
+
+
+@requires_gpu
+def test_prefetch_pipeline_on_gpu(tmp_path):
+    out = _run_prefetch_pipeline("cuda", tmp_path)
+    assert "copies/kernels" in out
+
+
+def test_prefetch_pipeline_rejects_bad_arguments():
+    r = subprocess.run([sys.executable, str(EXAMPLES / "prefetch_pipeline.py"), "--steps", "1"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--steps must be >= 2" in r.stderr
