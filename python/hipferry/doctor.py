@@ -100,6 +100,30 @@ def self_test(device: str) -> None:
             raise RuntimeError(f"copy_cast_ float32->{dtype} on {device} differs from torch .to()")
 
 
+def transfer_self_test(device: str) -> str:
+    """prefetch (pinned and pageable, small and large, with and without
+    conversion) and offload round trips on `device`, checked bit for bit."""
+    from .pool import pin
+    from .transfer import offload, prefetch, transfer_stats
+    big = torch.randn(3_000_000) * 1e3
+    small = [torch.randn(1000 + i) for i in range(8)]
+    cases = {"pinned": [pin(big)] + [pin(t) for t in small], "pageable": [big] + small}
+    for kind, srcs in cases.items():
+        for dtype in (None, torch.bfloat16):
+            got = prefetch(srcs, device, dtype=dtype).wait()
+            back = offload(got).wait()
+            for s, b in zip(srcs, back):
+                want = s if dtype is None else s.to(dtype)
+                if not torch.equal(b.view(torch.int16), want.view(torch.int16)):
+                    raise RuntimeError(f"prefetch/offload of {kind} tensors (dtype={dtype}) to {device} "
+                                       "came back different")
+    if device == "cpu":
+        return "prefetch/offload round trips exact on cpu (worker thread)"
+    stats = transfer_stats()
+    return (f"prefetch/offload round trips exact on {device} ({stats['packed_tensors']} tensors packed, "
+            f"{stats['staged_chunks']} chunks staged so far)")
+
+
 def run(quick: bool = False) -> int:
     build = hf_platform.build_info()
     flavor = hf_platform.torch_flavor()
@@ -146,6 +170,10 @@ def run(quick: bool = False) -> int:
             w("  self-test       copy_cast_ matches torch .to() bit for bit\n")
         except RuntimeError as e:
             problems.append(f"self-test failed: {e}")
+        try:
+            w(f"  transfers       {transfer_self_test('cuda' if runtime_devices > 0 and torch_devices > 0 else 'cpu')}\n")
+        except RuntimeError as e:
+            problems.append(f"transfer self-test failed: {e}")
         try:
             w(f"  pinned pool     {describe_pool(runtime_devices > 0 and torch_devices > 0)}\n")
         except RuntimeError as e:

@@ -16,6 +16,7 @@ def test_doctor_runs_and_reports_ok_here():
     assert "self-test       copy_cast_ matches torch .to() bit for bit" in r.stdout
     assert "host memory     copy" in r.stdout and "GB/s" in r.stdout
     assert "pinned pool     " in r.stdout and "MiB cold in" in r.stdout
+    assert "transfers       prefetch/offload round trips exact on " in r.stdout
     assert r.stdout.rstrip().endswith("status: OK")
 
 

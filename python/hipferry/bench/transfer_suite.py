@@ -184,8 +184,8 @@ def _overlap(ctx, dev, rows, notes, step):
             return hipferry.prefetch(src, dev).wait()
 
         _check({"hipferry prefetch": copy}, ref, gpu)
-        clock = _Clock(gpu)
-        one = clock.race({"copy": copy, "compute x1": lambda: compute(1)}, 5)
+        clock, rounds = _Clock(gpu), 10 if ctx.quick else max(ctx.repeats, 10)  # cheap; first runs fault pages
+        one = clock.race({"copy": copy, "compute x1": lambda: compute(1)}, rounds)
         k = max(1, round(one["copy"] / one["compute x1"]))
 
         def overlapped():
@@ -197,7 +197,7 @@ def _overlap(ctx, dev, rows, notes, step):
         names = ["copy alone", f"compute alone ({k} matmuls {m}x{m})", "serial (copy, wait, compute)",
                  "overlapped (prefetch, compute, wait)"]
         cs = dict(zip(names, [copy, lambda: compute(k), lambda: (copy(), compute(k)), overlapped]))
-        best = clock.race(cs, 3 if ctx.quick else max(ctx.repeats, 5))
+        best = clock.race(cs, rounds)
         longer = max(best[names[0]], best[names[1]])
         for name, secs in best.items():
             extra = {"overlapped_over_longer": secs / longer} if name in names[2:] else {}
@@ -214,12 +214,14 @@ def _overlap(ctx, dev, rows, notes, step):
 def _trace(ctx, dev, src, compute, k, notes, gpu):
     """One overlapped run under hipferry.trace(), drawn as a timeline."""
     with hipferry.trace() as tr:
-        t = hipferry.prefetch(src, dev)
+        with hipferry.trace_region("prefetch() call"):
+            t = hipferry.prefetch(src, dev)
         with hipferry.trace_region("compute"):
             compute(k)
             if gpu:  # the region spans the matmuls on the device, not just their launches
                 torch.cuda.current_stream().synchronize()
-        t.wait()
+        with hipferry.trace_region("wait() call"):
+            t.wait()
         if gpu:
             torch.cuda.synchronize()
     events = list(tr.events)
