@@ -247,6 +247,8 @@ std::shared_ptr<Transfer> start_transfer(TransferRequest r) {
     const int count = rt::device_count();
     TORCH_CHECK_VALUE(rt::build_info().platform != "cpu", api, ": device ", where,
                       " needs a GPU build of hipferry, but this one is CPU-only; expected device='cpu'");
+    TORCH_CHECK_VALUE(count > 0, api, ": device ", where, " does not exist: hipferry sees no GPU here; expected "
+                      "device='cpu'");
     device = where.has_index() ? where.index() : current_torch_device();
     TORCH_CHECK_VALUE(device >= 0 && device < count, api, ": device cuda:", device, " does not exist; hipferry sees ",
                       count, " GPU(s)");

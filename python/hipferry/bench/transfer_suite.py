@@ -88,7 +88,7 @@ def _sizes(ctx: Context):
 
 
 def _repeats(ctx: Context, nbytes: int) -> int:
-    base = 3 if ctx.quick else (ctx.repeats if nbytes <= 64 * MiB else max(2, ctx.repeats // 2))
+    base = 5 if ctx.quick else (ctx.repeats if nbytes <= 64 * MiB else max(2, ctx.repeats // 2))
     return base * 3 if nbytes <= 256 * KiB else base  # small ones are cheap and noisy
 
 
