@@ -222,6 +222,8 @@ std::shared_ptr<Transfer> start_transfer(TransferRequest r) {
     TORCH_CHECK_VALUE(t.defined(), api, ": tensors[", i, "] is an undefined tensor; expected a tensor");
     TORCH_CHECK_VALUE(t.layout() == at::kStrided, api, ": tensors[", i, "] has layout ", t.layout(),
                       "; expected strided (dense) tensors");
+    TORCH_CHECK_VALUE(!t.is_quantized(), api, ": tensors[", i, "] is quantized (", dtype_name(t.scalar_type()),
+                      "); expected a plain dtype (move t.int_repr() and the quantization parameters instead)");
     if (prefetch) {
       TORCH_CHECK_VALUE(t.is_cpu(), api, ": tensors[", i, "] is on ", t.device(),
                         "; expected host (CPU) tensors to move to ", r.device);
@@ -264,7 +266,8 @@ std::shared_ptr<Transfer> start_transfer(TransferRequest r) {
   // --- results; sources made contiguous (on the current stream when on a GPU) ---
   std::vector<at::Tensor> sources, results;
   for (const at::Tensor& t : r.sources) {
-    at::Tensor src = t.contiguous();
+    // Lazy conjugate / negative views are materialized: the copy moves bytes.
+    at::Tensor src = t.resolve_conj().resolve_neg().contiguous();
     const at::ScalarType out_type = r.dtype.value_or(t.scalar_type());
     at::Tensor dst = prefetch ? at::empty(t.sizes(), at::TensorOptions().dtype(out_type).device(where))
                               : pool_empty(r.pool_id, t.sizes(), out_type);  // OutOfMemoryError: nothing queued

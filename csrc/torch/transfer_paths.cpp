@@ -305,19 +305,31 @@ void run_device_to_host(PathContext& ctx, std::vector<CopyItem> items, int devic
   done->record(stream);
 }
 
+namespace {
+
+void copy_on_host(const std::vector<CopyItem>& items, const char* track) {
+  const std::int64_t t0 = tracing::now_ns();
+  std::size_t bytes = 0;
+  for (const CopyItem& it : items) {
+    host_copy(it, 0, it.elements, it.dst);
+    bytes += it.dst_bytes();
+  }
+  tracing::add_host_span("copy " + std::to_string(items.size()) + " tensors", "copy", track, t0, tracing::now_ns(),
+                         bytes);
+}
+
+}  // namespace
+
 std::uint64_t run_on_worker(PathContext& ctx, std::vector<CopyItem> items) {
-  ctx.counters.worker_tasks += 1;
+  std::size_t bytes = 0;
+  for (const CopyItem& it : items) bytes += it.dst_bytes();
   ctx.counters.direct_copies += items.size();
-  return ctx.worker.submit([items = std::move(items)] {
-    const std::int64_t t0 = tracing::now_ns();
-    std::size_t bytes = 0;
-    for (const CopyItem& it : items) {
-      host_copy(it, 0, it.elements, it.dst);
-      bytes += it.dst_bytes();
-    }
-    tracing::add_host_span("copy " + std::to_string(items.size()) + " tensors", "copy", tracing::worker_track(), t0,
-                           tracing::now_ns(), bytes);
-  });
+  if (bytes <= kInlineHostBytes) {  // cheaper than waking the worker and being woken back
+    copy_on_host(items, "caller thread");
+    return 0;
+  }
+  ctx.counters.worker_tasks += 1;
+  return ctx.worker.submit([items = std::move(items)] { copy_on_host(items, tracing::worker_track()); });
 }
 
 }  // namespace hipferry::engine

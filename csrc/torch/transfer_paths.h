@@ -57,7 +57,11 @@ std::uint64_t run_host_to_device(PathContext& ctx, std::vector<CopyItem> items, 
 // Device -> host on `stream` of `device`, which already waits for the producer.
 void run_device_to_host(PathContext& ctx, std::vector<CopyItem> items, int device, rt::StreamHandle stream,
                         std::shared_ptr<rt::Event> done);
-// Host -> host (CPU-only build, device "cpu"): one task on the worker.
+// Host -> host (CPU-only build, device "cpu"): one task on the worker, or,
+// up to kInlineHostBytes in all, done on the calling thread at once (a
+// hand-off to the worker and back costs tens of microseconds on an idle core,
+// as much as copying this much; there is nothing worth overlapping).
+constexpr std::size_t kInlineHostBytes = std::size_t{256} << 10;
 std::uint64_t run_on_worker(PathContext& ctx, std::vector<CopyItem> items);
 
 }  // namespace hipferry::engine
