@@ -52,6 +52,23 @@ void set_device(int device);
 // stream of the current device.
 using StreamHandle = void*;
 
+// Makes `device` current for the guard's lifetime. Needed around calls that
+// take a stream handle which may be nullptr (the default stream of the
+// CURRENT device) and around kernel launches. No-op on the CPU-only build.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device);
+  ~DeviceGuard();
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_;  // -1: nothing to restore
+};
+
+// Blocks until all work queued on `stream` of `device` has completed.
+void stream_synchronize(StreamHandle stream, int device);
+
 // An owned, non-blocking stream on one device.
 class Stream {
  public:

@@ -13,19 +13,6 @@ namespace hipferry::rt {
 namespace {
 
 // Makes `device` current for the scope; restores the previous one after.
-class DeviceScope {
- public:
-  explicit DeviceScope(int device) : previous_(current_device_or_minus_one()) {
-    if (device != previous_) HIPFERRY_CHECK_ON(device, hipSetDevice(device));
-  }
-  ~DeviceScope() {
-    if (previous_ >= 0) (void)hipSetDevice(previous_);
-  }
-
- private:
-  int previous_;
-};
-
 hipStream_t native(StreamHandle s) { return static_cast<hipStream_t>(s); }
 
 }  // namespace
@@ -60,11 +47,25 @@ DeviceInfo device_info(int device) {
   info.total_memory = p.totalGlobalMem;
   info.multiprocessors = p.multiProcessorCount;
   info.can_map_host_memory = p.canMapHostMemory != 0;
-  DeviceScope scope(device);
+  DeviceGuard scope(device);
   std::size_t free_bytes = 0, total_bytes = 0;
   HIPFERRY_CHECK_ON(device, hipMemGetInfo(&free_bytes, &total_bytes));
   info.free_memory = free_bytes;
   return info;
+}
+
+DeviceGuard::DeviceGuard(int device) : previous_(current_device_or_minus_one()) {
+  if (device != previous_) HIPFERRY_CHECK_ON(device, hipSetDevice(device));
+  if (device == previous_) previous_ = -1;
+}
+
+DeviceGuard::~DeviceGuard() {
+  if (previous_ >= 0) (void)hipSetDevice(previous_);
+}
+
+void stream_synchronize(StreamHandle stream, int device) {
+  DeviceGuard scope(device);
+  HIPFERRY_CHECK_ON(device, hipStreamSynchronize(native(stream)));
 }
 
 int current_device() {
@@ -76,7 +77,7 @@ int current_device() {
 void set_device(int device) { HIPFERRY_CHECK_ON(device, hipSetDevice(device)); }
 
 Stream::Stream(int device) : device_(device), handle_(nullptr) {
-  DeviceScope scope(device);
+  DeviceGuard scope(device);
   hipStream_t s;
   HIPFERRY_CHECK_ON(device, hipStreamCreateWithFlags(&s, hipStreamNonBlocking));
   handle_ = s;
@@ -97,7 +98,7 @@ bool Stream::query() const {
 void Stream::synchronize() const { HIPFERRY_CHECK_ON(device_, hipStreamSynchronize(native(handle_))); }
 
 Event::Event(int device, bool timing) : device_(device), handle_(nullptr) {
-  DeviceScope scope(device);
+  DeviceGuard scope(device);
   hipEvent_t e;
   HIPFERRY_CHECK_ON(device, hipEventCreateWithFlags(&e, timing ? hipEventDefault : hipEventDisableTiming));
   handle_ = e;
@@ -175,14 +176,14 @@ void* host_device_pointer_or_null(void* host_ptr) noexcept {
 }
 
 void* device_alloc(std::size_t bytes, int device) {
-  DeviceScope scope(device);
+  DeviceGuard scope(device);
   void* p = nullptr;
   HIPFERRY_CHECK_ON(device, hipMalloc(&p, bytes));
   return p;
 }
 
 void device_free(void* ptr, int device) {
-  DeviceScope scope(device);
+  DeviceGuard scope(device);
   HIPFERRY_CHECK_ON(device, hipFree(ptr));
 }
 

@@ -1,5 +1,6 @@
 #include "torch/trace_session.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <map>
@@ -24,6 +25,7 @@ struct Anchor {
 };
 
 std::atomic<bool> session_active{false};
+std::atomic<std::uint64_t> session_number{0};  // spans begun in one session are dropped by another
 std::mutex mutex;  // guards the three below; never held across a runtime call
 trace::TraceRecorder recorder;
 std::vector<PendingSpan> pending;
@@ -38,9 +40,9 @@ Anchor anchor_for(int device) {
   // An idle stream of its own: the event passes as soon as it is recorded.
   rt::Stream stream(device);
   Anchor a{std::make_shared<rt::Event>(device, /*timing=*/true), 0};
+  a.host_ns = now_ns();  // the idle stream passes the event as it is recorded
   a.event->record(stream.handle());
   a.event->synchronize();
-  a.host_ns = now_ns();
   std::lock_guard<std::mutex> lock(mutex);
   return anchors.emplace(device, a).first->second;  // a racing thread's anchor wins
 }
@@ -63,6 +65,7 @@ void start() {
   recorder.clear();
   pending.clear();
   anchors.clear();
+  session_number.fetch_add(1);
   session_active.store(true, std::memory_order_release);
 }
 
@@ -77,11 +80,15 @@ TraceResult stop() {
     anchor_copy = anchors;
   }
   for (PendingSpan& s : spans) {  // runtime calls: outside the lock
-    const Anchor& a = anchor_copy.at(s.device);
+    auto a = anchor_copy.find(s.device);
+    if (a == anchor_copy.end()) continue;  // no anchor: cannot be placed in time
     s.end->synchronize();
-    s.event.start_ns = a.host_ns + static_cast<std::int64_t>(rt::Event::elapsed_ms(*a.event, *s.begin) * 1e6);
-    s.event.end_ns = a.host_ns + static_cast<std::int64_t>(rt::Event::elapsed_ms(*a.event, *s.end) * 1e6);
-    if (s.event.end_ns < s.event.start_ns) s.event.end_ns = s.event.start_ns;  // float rounding
+    // Offsets from one anchor, durations from the span's own events (float
+    // milliseconds lose resolution as the offset grows; the duration does not).
+    const double offset_ms = rt::Event::elapsed_ms(*a->second.event, *s.begin);
+    const double duration_ms = rt::Event::elapsed_ms(*s.begin, *s.end);
+    s.event.start_ns = a->second.host_ns + static_cast<std::int64_t>(offset_ms * 1e6);
+    s.event.end_ns = s.event.start_ns + std::max<std::int64_t>(0, static_cast<std::int64_t>(duration_ms * 1e6));
     recorder.add(std::move(s.event));
   }
   TraceResult result{recorder.events(), recorder.chrome_json()};
@@ -98,10 +105,16 @@ void add_host_span(std::string name, std::string category, std::string track, st
                                  end_ns < start_ns ? start_ns : end_ns, bytes});
 }
 
-StreamSpan::StreamSpan(int device, rt::StreamHandle stream, bool to_device, std::string name,
+StreamSpan::StreamSpan(int device, rt::StreamHandle stream, std::string track, std::string name,
                        std::string category, std::size_t bytes)
-    : device_(device), stream_(stream), to_device_(to_device), name_(std::move(name)), category_(std::move(category)), bytes_(bytes) {
+    : device_(device),
+      stream_(stream),
+      track_(std::move(track)),
+      name_(std::move(name)),
+      category_(std::move(category)),
+      bytes_(bytes) {
   if (!active()) return;
+  session_ = session_number.load();
   anchor_for(device);  // before begin_, so elapsed times are never negative
   begin_ = std::make_shared<rt::Event>(device, /*timing=*/true);
   begin_->record(stream);
@@ -112,13 +125,16 @@ void StreamSpan::end() {
   auto end = std::make_shared<rt::Event>(device_, /*timing=*/true);
   end->record(stream_);
   std::lock_guard<std::mutex> lock(mutex);
-  if (!session_active.load()) return;  // the session ended meanwhile
-  trace::TraceEvent e{name_, category_, stream_track(device_, to_device_), 0, 0, bytes_};
+  if (!session_active.load() || session_number.load() != session_) return;  // its session ended meanwhile
+  trace::TraceEvent e{name_, category_, track_, 0, 0, bytes_};
   pending.push_back(PendingSpan{std::move(e), device_, std::move(begin_), std::move(end)});
 }
 
-std::string stream_track(int device, bool to_device) {
-  return "gpu:" + std::to_string(device) + (to_device ? " host->device stream" : " device->host stream");
+std::string stream_track(int device, CopyStream stream) {
+  const char* kind = stream == CopyStream::kToDevice ? " host->device stream"
+                     : stream == CopyStream::kToHost ? " device->host stream"
+                                                     : " staging stream";
+  return "gpu:" + std::to_string(device) + kind;
 }
 
 }  // namespace hipferry::tracing

@@ -37,21 +37,22 @@ void add_host_span(std::string name, std::string category, std::string track, st
 // records a timing event when a session is active), call end() after.
 class StreamSpan {
  public:
-  StreamSpan(int device, rt::StreamHandle stream, bool to_device, std::string name, std::string category,
+  StreamSpan(int device, rt::StreamHandle stream, std::string track, std::string name, std::string category,
              std::size_t bytes);
   void end();
 
  private:
   int device_;
   rt::StreamHandle stream_;
-  bool to_device_;
-  std::string name_, category_;
+  std::string track_, name_, category_;
   std::size_t bytes_;
+  std::uint64_t session_ = 0;         // the session the span began in
   std::shared_ptr<rt::Event> begin_;  // nullptr when not tracing
 };
 
 // "gpu:0 host->device stream" and friends: one place for track names.
-std::string stream_track(int device, bool to_device);
+enum class CopyStream { kToDevice, kToHost, kStaging };
+std::string stream_track(int device, CopyStream stream);
 inline const char* worker_track() { return "cpu transfer worker"; }
 
 }  // namespace hipferry::tracing

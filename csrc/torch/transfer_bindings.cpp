@@ -72,10 +72,13 @@ py::tuple trace_stop() {
 }  // namespace
 
 void bind_transfers(py::module_& m) {
+  // Every method releases the GIL: one may block, and all of them may let go
+  // of tensors, which can take the GIL (see Transfer in transfer_engine.h).
   py::class_<Transfer, std::shared_ptr<Transfer>>(m, "Transfer")
       .def("wait", [](Transfer& t) { return translate_errors([&] { return t.wait(); }); },
            py::call_guard<py::gil_scoped_release>())
-      .def("ready", [](Transfer& t) { return translate_errors([&] { return t.ready(); }); })
+      .def("ready", [](Transfer& t) { return translate_errors([&] { return t.ready(); }); },
+           py::call_guard<py::gil_scoped_release>())
       .def("synchronize", [](Transfer& t) { translate_errors([&] { t.synchronize(); }); },
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("device", &Transfer::device)

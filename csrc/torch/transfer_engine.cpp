@@ -6,6 +6,9 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
+#include <pthread.h>
+
+#include <atomic>
 #include <chrono>
 #include <string>
 #include <thread>
@@ -14,6 +17,7 @@
 #include "torch/copy_cast_checks.h"
 #include "torch/current_stream.h"
 #include "torch/pinned_pool.h"
+#include "torch/trace_session.h"
 #include "torch/transfer_paths.h"
 
 namespace hipferry {
@@ -28,28 +32,37 @@ struct Holding {
 class Engine {
  public:
   // Never destroyed: handles may outlive static destruction, and the worker
-  // and streams must not be torn down under them at exit.
+  // and streams must not be torn down under them at exit. A forked child
+  // (a DataLoader worker) has no worker thread: it gets an engine of its own.
   static Engine& get() {
-    static Engine* engine = new Engine();
-    return *engine;
+    static std::once_flag once;
+    std::call_once(once, [] { pthread_atfork(nullptr, nullptr, [] { instance = nullptr; }); });
+    Engine* e = instance.load(std::memory_order_acquire);
+    if (e != nullptr) return *e;
+    std::lock_guard<std::mutex> lock(creation_mutex);
+    e = instance.load(std::memory_order_acquire);
+    if (e == nullptr) {
+      e = new Engine();
+      instance.store(e, std::memory_order_release);
+    }
+    return *e;
   }
 
   transfer::SerialWorker& worker() { return worker_; }
   engine::Counters& counters() { return counters_; }
 
-  // The copy stream of one direction on `device`, created on first use.
-  rt::StreamHandle copy_stream(int device, bool to_device) {
+  // One of hipferry's streams on `device`, created on first use.
+  rt::StreamHandle stream(int device, tracing::CopyStream kind) {
+    const std::size_t at = static_cast<std::size_t>(device) * 3 + static_cast<std::size_t>(kind);
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      auto& streams = to_device ? h2d_ : d2h_;
-      if (device < static_cast<int>(streams.size()) && streams[device]) return streams[device]->handle();
+      if (at < streams_.size() && streams_[at]) return streams_[at]->handle();
     }
     auto created = std::make_unique<rt::Stream>(device);  // runtime call: outside the lock
     std::lock_guard<std::mutex> lock(mutex_);
-    auto& streams = to_device ? h2d_ : d2h_;
-    if (device >= static_cast<int>(streams.size())) streams.resize(device + 1);
-    if (!streams[device]) streams[device] = std::move(created);  // else a racing thread's stream wins
-    return streams[device]->handle();
+    if (at >= streams_.size()) streams_.resize(at + 1);
+    if (!streams_[at]) streams_[at] = std::move(created);  // else a racing thread's stream wins
+    return streams_[at]->handle();
   }
 
   void release_after(const Completion& completion, std::vector<at::Tensor> tensors) {
@@ -71,9 +84,7 @@ class Engine {
       bool done = false;
       try {
         done = h.completion.done();
-        if (done && h.completion.ticket != 0) worker_.wait(h.completion.ticket);  // consumes an unwaited error
-      } catch (...) {
-        done = true;  // it failed; it has stopped either way
+      } catch (...) {  // the runtime cannot say: keep holding (a leak, never a use after free)
       }
       if (done) {
         ++released;
@@ -94,12 +105,18 @@ class Engine {
 
  private:
   Engine() = default;
+  static std::atomic<Engine*> instance;
+  static std::mutex creation_mutex;
+
   transfer::SerialWorker worker_{"hipferry transfer worker"};
   engine::Counters counters_;
-  std::mutex mutex_;  // guards h2d_, d2h_, releases_; never held across a runtime call
-  std::vector<std::unique_ptr<rt::Stream>> h2d_, d2h_;  // by device
+  std::mutex mutex_;  // guards streams_ and releases_; never held across a runtime call
+  std::vector<std::unique_ptr<rt::Stream>> streams_;  // [device * 3 + CopyStream]
   std::vector<Holding> releases_;
 };
+
+std::atomic<Engine*> Engine::instance{nullptr};
+std::mutex Engine::creation_mutex;
 
 // "torch.float16", as Python users spell it.
 std::string dtype_name(at::ScalarType t) { return "torch." + std::string(c10::getDtypeNames(t).first); }
@@ -145,68 +162,107 @@ Transfer::~Transfer() {
   std::vector<at::Tensor> holdings = std::move(keepalive_);
   for (auto& t : results_) holdings.push_back(std::move(t));
   try {
-    Engine::get().release_after(completion_, std::move(holdings));
+    if (outcome_ && outcome_->failed()) {
+      sync_streams_quietly();
+    } else {
+      Engine::get().release_after(completion_, std::move(holdings));
+    }
   } catch (...) {  // a destructor must not throw; the holdings then die with the handle
   }
 }
 
-void Transfer::fail(const std::string& why) {
-  state_ = State::kFailed;
-  error_ = why;
-  // Work already on the copy stream may still touch what we hold.
-  std::vector<at::Tensor> holdings = std::move(keepalive_);
-  for (auto& t : results_) holdings.push_back(std::move(t));
-  results_.clear();
-  Completion after = completion_;
-  after.ticket = 0;  // the worker part has ended (it failed)
-  Engine::get().release_after(after, std::move(holdings));
-}
-
-void Transfer::finish_worker_part() {
-  if (completion_.ticket == 0) return;
-  try {
-    Engine::get().worker().wait(completion_.ticket);
-  } catch (const std::exception& e) {
-    fail(e.what());
+void Transfer::sync_streams_quietly() const {
+  if (copy_device_ < 0) return;
+  for (rt::StreamHandle s : {copy_stream_, staging_stream_}) {
+    if (s == nullptr) continue;
+    try {
+      rt::stream_synchronize(s, copy_device_);
+    } catch (...) {
+    }
   }
 }
 
+void Transfer::settle_locked(std::vector<at::Tensor>& dropped) {
+  if (state_ != State::kPending || !outcome_ || !outcome_->failed()) return;
+  state_ = State::kFailed;
+  error_ = outcome_->error();
+  // Queued work may still touch what we hold: the streams are synchronized
+  // (by the caller, unlocked) before `dropped` dies.
+  dropped = std::move(keepalive_);
+  for (auto& t : results_) dropped.push_back(std::move(t));
+  results_.clear();
+}
+
 bool Transfer::ready() {
-  std::lock_guard<std::mutex> lock(mutex_);
   Engine::get().poll();
-  if (state_ == State::kFailed) return true;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (state_ == State::kFailed) return true;
+  }
   return completion_.done();
 }
 
 void Transfer::synchronize() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (state_ == State::kPending) finish_worker_part();
-  TORCH_CHECK(state_ != State::kFailed, "hipferry.Transfer: the copy failed: ", error_);
+  if (completion_.ticket != 0) Engine::get().worker().wait(completion_.ticket);
+  std::vector<at::Tensor> dropped;
+  std::string error;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    settle_locked(dropped);
+    if (state_ == State::kFailed) error = error_;
+  }
+  if (!dropped.empty()) sync_streams_quietly();
+  dropped.clear();
+  TORCH_CHECK(error.empty(), "hipferry.Transfer: the copy failed: ", error);
   if (completion_.event) completion_.event->synchronize();
 }
 
 std::vector<at::Tensor> Transfer::wait() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  TORCH_CHECK(state_ != State::kWaited,
-              "hipferry.Transfer.wait: this transfer was already waited on; wait() hands the results over "
-              "once (keep what the first call returned)");
-  if (state_ == State::kPending) finish_worker_part();
-  TORCH_CHECK(state_ != State::kFailed, "hipferry.Transfer.wait: the copy failed, its results were discarded: ",
-              error_);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK(state_ != State::kWaited,
+                "hipferry.Transfer.wait: this transfer was already waited on; wait() hands the results over "
+                "once (keep what the first call returned)");
+  }
+  // Pageable sources: the staging must have queued everything before the
+  // completion event means anything.
+  if (completion_.ticket != 0) Engine::get().worker().wait(completion_.ticket);
+  std::vector<at::Tensor> results, holdings;
+  std::string error;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK(state_ != State::kWaited,
+                "hipferry.Transfer.wait: this transfer was already waited on (by another thread); wait() hands "
+                "the results over once");
+    settle_locked(holdings);
+    if (state_ == State::kFailed) {
+      error = error_;
+    } else {
+      state_ = State::kWaited;
+      results = std::move(results_);
+      holdings = std::move(keepalive_);
+    }
+  }
+  if (!error.empty()) {
+    sync_streams_quietly();
+    holdings.clear();
+    TORCH_CHECK(false, "hipferry.Transfer.wait: the copy failed, its results were discarded: ", error);
+  }
   if (completion_.event && device_.is_cuda()) {
     // The consumer is the current stream: it waits, the host does not. The
     // stream the results were allocated on waits too, so torch's allocator
     // never hands their memory to work that could run before the copy.
+    rt::DeviceGuard guard(copy_device_);  // a nullptr (default) stream means the current device's
     const rt::StreamHandle current = current_torch_stream(copy_device_);
     completion_.event->block_stream(current);
     if (alloc_stream_ != current) completion_.event->block_stream(alloc_stream_);
-    Engine::get().release_after(completion_, std::move(keepalive_));
-  } else {
-    if (completion_.event) completion_.event->synchronize();  // the consumer is the host
-    keepalive_.clear();
+    Engine::get().release_after(completion_, std::move(holdings));
+  } else if (completion_.event) {
+    completion_.event->synchronize();  // the consumer is the host
   }
-  state_ = State::kWaited;
-  return std::move(results_);
+  holdings.clear();
+  Engine::get().poll();
+  return results;
 }
 
 std::shared_ptr<Transfer> start_transfer(TransferRequest r) {
@@ -292,35 +348,35 @@ std::shared_ptr<Transfer> start_transfer(TransferRequest r) {
   engine::PathContext ctx{engine.worker(), engine.counters(), pool};
   engine.counters().transfers += 1;
   engine.counters().bytes += handle->nbytes_;
+  handle->outcome_ = std::make_shared<engine::TaskOutcome>();
   if (!gpu) {
-    handle->completion_.ticket = engine::run_on_worker(ctx, std::move(items));
+    handle->completion_.ticket = engine::run_on_host(ctx, std::move(items), handle->outcome_);
   } else {
-    const rt::StreamHandle producer = current_torch_stream(device);
-    const rt::StreamHandle copy = engine.copy_stream(device, prefetch);
-    auto start = std::make_shared<rt::Event>(device);
+    rt::DeviceGuard guard(device);  // the producer may be the default stream (nullptr) of `device`
+    engine::GpuStreams streams;
+    streams.producer = current_torch_stream(device);
+    streams.copy = engine.stream(device, prefetch ? tracing::CopyStream::kToDevice : tracing::CopyStream::kToHost);
+    if (prefetch) streams.staging = engine.stream(device, tracing::CopyStream::kStaging);
     auto done = std::make_shared<rt::Event>(device);
-    start->record(producer);
-    start->block_stream(copy);  // ordered after the work that produced the sources
     handle->copy_device_ = device;
-    handle->copy_stream_ = copy;
-    handle->alloc_stream_ = producer;
+    handle->copy_stream_ = streams.copy;
+    handle->staging_stream_ = streams.staging;
+    handle->alloc_stream_ = streams.producer;
     handle->completion_.event = done;
     try {
       if (prefetch) {
-        handle->completion_.ticket =
-            engine::run_host_to_device(ctx, std::move(items), device, copy, done, handle->keepalive_);
+        handle->completion_.ticket = engine::run_host_to_device(ctx, std::move(items), device, streams, done,
+                                                                handle->keepalive_, handle->outcome_);
       } else {
-        engine::run_device_to_host(ctx, std::move(items), device, copy, std::move(done));
+        engine::run_device_to_host(ctx, std::move(items), device, streams, std::move(done));
       }
-    } catch (const std::exception& e) {
-      try {
-        handle->completion_.event->record(copy);  // covers whatever was queued
-      } catch (...) {
-      }
-      for (auto& t : sources) handle->keepalive_.push_back(t);
-      handle->results_ = std::move(results);
-      handle.reset();  // the destructor hands everything to the release list
-      TORCH_CHECK(false, api, ": ", e.what());
+    } catch (...) {
+      // Something may have been queued: let go of the tensors only once the
+      // streams are idle (they die with this frame), then rethrow as it came.
+      handle->sync_streams_quietly();
+      handle->completion_.ticket = 0;
+      handle->state_ = Transfer::State::kFailed;
+      throw;
     }
   }
   for (auto& t : sources) handle->keepalive_.push_back(std::move(t));

@@ -63,6 +63,10 @@ struct Completion {
   bool done() const;                  // never blocks
 };
 
+namespace engine {
+class TaskOutcome;
+}
+
 class Transfer {
  public:
   Transfer() = default;
@@ -70,12 +74,16 @@ class Transfer {
   Transfer(const Transfer&) = delete;
   Transfer& operator=(const Transfer&) = delete;
 
-  // True once the copy has finished (or failed; wait() then says why).
+  // All three may be called from several threads at once; none holds the
+  // handle's lock while it blocks or while tensors die (a dying tensor may
+  // need the GIL, which the Python bindings release around these calls).
+  // True once the copy has finished (or failed; wait() then says why). Never blocks.
   bool ready();
-  // Blocks the calling thread until the copy has finished; rethrows its error.
+  // Blocks the calling thread until the copy has finished; throws its error.
   void synchronize();
   // Hands the results over, once. Device results: the caller's current stream
-  // waits for the copy (the host does not). Host results: the host waits.
+  // waits for the copy (the host waits only for the worker's staging of
+  // pageable sources). Host results: the host waits.
   std::vector<at::Tensor> wait();
 
   c10::Device device() const { return device_; }
@@ -85,21 +93,27 @@ class Transfer {
  private:
   friend std::shared_ptr<Transfer> start_transfer(struct TransferRequest request);
   enum class State { kPending, kWaited, kFailed };
-  void finish_worker_part();  // waits for the worker task; on error: fails the transfer
-  void fail(const std::string& why);
+  // After the worker part: marks the transfer failed if the worker said so,
+  // moving what it held into `dropped` (the caller lets go of it unlocked).
+  void settle_locked(std::vector<at::Tensor>& dropped);
+  void sync_streams_quietly() const;  // after a failure, before letting go of anything
 
-  std::mutex mutex_;  // guards every field below (Python threads may share a handle)
-  State state_ = State::kPending;
-  std::string error_;                  // why it failed
+  // Set by start_transfer, then read-only:
   Completion completion_;
-  int copy_device_ = -1;               // GPU whose copy stream ran it, -1 for the worker
-  rt::StreamHandle copy_stream_ = nullptr;
-  rt::StreamHandle alloc_stream_ = nullptr;  // where device results were allocated
-  std::vector<at::Tensor> results_;
-  std::vector<at::Tensor> keepalive_;  // sources and scratch, until complete
+  std::shared_ptr<engine::TaskOutcome> outcome_;  // the worker part's error, if any
+  int copy_device_ = -1;                      // GPU of the copy, -1 for the host path
+  rt::StreamHandle copy_stream_ = nullptr;     // hipferry's stream of this direction
+  rt::StreamHandle staging_stream_ = nullptr;  // the worker's stream (prefetch)
+  rt::StreamHandle alloc_stream_ = nullptr;    // where device results were allocated
   c10::Device device_{c10::kCPU};
   std::size_t nbytes_ = 0;
   std::size_t results_count_ = 0;
+
+  std::mutex mutex_;  // guards the fields below
+  State state_ = State::kPending;
+  std::string error_;                  // why it failed
+  std::vector<at::Tensor> results_;
+  std::vector<at::Tensor> keepalive_;  // sources and scratch, until complete
 };
 
 std::shared_ptr<Transfer> start_transfer(TransferRequest request);

@@ -3,6 +3,7 @@
 
 #include <ATen/ops/empty.h>
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <utility>
@@ -21,28 +22,9 @@ using transfer::PackedBatch;
 using transfer::TransferItem;
 
 constexpr std::size_t kAlign = 256;
-constexpr int kStagingRing = 3;  // pageable chunks in flight per transfer
+constexpr std::size_t kStagingRing = 3;  // pageable chunks in flight per transfer
 
 std::size_t round_up(std::size_t n, std::size_t m) { return (n + m - 1) / m * m; }
-
-// Runtime calls below go to `device`; the previous current device comes back.
-class DeviceScope {
- public:
-  explicit DeviceScope(int device) : previous_(rt::current_device()) {
-    if (previous_ != device) rt::set_device(device);
-  }
-  ~DeviceScope() {
-    try {
-      if (previous_ != rt::current_device()) rt::set_device(previous_);
-    } catch (...) {
-    }
-  }
-  DeviceScope(const DeviceScope&) = delete;
-  DeviceScope& operator=(const DeviceScope&) = delete;
-
- private:
-  int previous_;
-};
 
 // Host side of one item's elements [first, first + n) into `out` (dst dtype).
 void host_copy(const CopyItem& it, std::int64_t first, std::int64_t n, void* out) {
@@ -84,15 +66,15 @@ transfer::TransferPlan plan_items(const std::vector<CopyItem>& items, bool wire_
 // goes back once the stream has passed the kernel. Returns false, having
 // enqueued nothing, when the pool's memory is not mapped (no table possible).
 bool launch_jobs(PathContext& ctx, const std::vector<gpu::CopyJobSpec>& jobs, int device, rt::StreamHandle stream,
-                 bool to_device, std::size_t bytes) {
+                 const std::string& track, std::size_t bytes) {
   if (jobs.empty()) return true;
   const pool::HostPool::Allocation table = ctx.pool->allocate(gpu::batched_copy_table_bytes(jobs.size()));
   if (table.device == nullptr) {
     ctx.pool->deallocate(table.host);
     return false;
   }
-  tracing::StreamSpan span(device, stream, to_device,
-                           "batched copy (" + std::to_string(jobs.size()) + " tensors)", "kernel", bytes);
+  tracing::StreamSpan span(device, stream, track, "batched copy (" + std::to_string(jobs.size()) + " tensors)",
+                           "kernel", bytes);
   try {
     gpu::launch_batched_copy(jobs.data(), jobs.size(), table.host, table.device, stream, device);
   } catch (...) {
@@ -142,7 +124,8 @@ void stage_batches(PathContext& ctx, const StagedJob& job, int device, rt::Strea
       tracing::add_host_span("pack " + std::to_string(batch.slots.size()) + " tensors", "pack",
                              tracing::worker_track(), t0, tracing::now_ns(), batch.staging_bytes);
       char* scratch = byte_offset(job.scratch, job.scratch_offsets[b]);
-      tracing::StreamSpan copy(device, stream, true, "packed copy", "copy", batch.staging_bytes);
+      const std::string track = tracing::stream_track(device, tracing::CopyStream::kStaging);
+      tracing::StreamSpan copy(device, stream, track, "packed copy", "copy", batch.staging_bytes);
       rt::memcpy_async(scratch, block.host, batch.staging_bytes, stream);
       copy.end();
       std::vector<gpu::CopyJobSpec> jobs;
@@ -151,7 +134,7 @@ void stage_batches(PathContext& ctx, const StagedJob& job, int device, rt::Strea
         plain.convert = false;  // converted while packing
         jobs.push_back(job_of(plain, scratch + s.staging_offset, plain.dst));
       }
-      tracing::StreamSpan scatter(device, stream, true, "scatter " + std::to_string(jobs.size()) + " tensors",
+      tracing::StreamSpan scatter(device, stream, track, "scatter " + std::to_string(jobs.size()) + " tensors",
                                   "kernel", batch.staging_bytes);
       if (block.device != nullptr) {
         gpu::launch_batched_copy(jobs.data(), jobs.size(), byte_offset(block.host, table_offset),
@@ -186,7 +169,8 @@ void stage_chunks(PathContext& ctx, const StagedJob& job, int device, rt::Stream
       const Chunk& c = job.plan.chunks[k];
       const CopyItem& it = job.items[c.item];
       if (ring.size() < kStagingRing && k == ring.size()) {
-        ring.push_back(Slot{ctx.pool->allocate(slot_bytes), std::make_unique<rt::Event>(device)});
+        auto copied = std::make_unique<rt::Event>(device);  // first: a throw here leaks no block
+        ring.push_back(Slot{ctx.pool->allocate(slot_bytes), std::move(copied)});
       } else {
         ring[k % ring.size()].copied->synchronize();  // its previous chunk has left the block
       }
@@ -196,7 +180,8 @@ void stage_chunks(PathContext& ctx, const StagedJob& job, int device, rt::Stream
                 slot.block.host);
       const std::size_t bytes = c.elements * it.dst_element_bytes;
       tracing::add_host_span("stage chunk", "pack", tracing::worker_track(), t0, tracing::now_ns(), bytes);
-      tracing::StreamSpan span(device, stream, true, "staged copy", "copy", bytes);
+      tracing::StreamSpan span(device, stream, tracing::stream_track(device, tracing::CopyStream::kStaging),
+                               "staged copy", "copy", bytes);
       rt::memcpy_async(byte_offset(it.dst, c.first_element * it.dst_element_bytes), slot.block.host, bytes, stream);
       span.end();
       slot.copied->record(stream);
@@ -211,8 +196,10 @@ void stage_chunks(PathContext& ctx, const StagedJob& job, int device, rt::Stream
 
 // One copy (or one copy_cast kernel) for a whole large item.
 void direct_copy(PathContext& ctx, const CopyItem& it, int device, rt::StreamHandle stream, bool to_device) {
-  tracing::StreamSpan span(device, stream, to_device, it.convert ? "copy_cast" : "copy",
-                           it.convert ? "kernel" : "copy", it.dst_bytes());
+  tracing::StreamSpan span(device, stream,
+                           tracing::stream_track(device, to_device ? tracing::CopyStream::kToDevice
+                                                                   : tracing::CopyStream::kToHost),
+                           it.convert ? "copy_cast" : "copy", it.convert ? "kernel" : "copy", it.dst_bytes());
   if (it.convert) {
     const void* src = to_device ? it.src_mapped : it.src;
     void* dst = to_device ? it.dst : it.dst_mapped;
@@ -243,7 +230,9 @@ void run_direct(PathContext& ctx, const std::vector<CopyItem>& items, int device
       const CopyItem& it = items[s.item];
       jobs.push_back(job_of(it, to_device ? it.src_mapped : it.src, to_device ? it.dst : it.dst_mapped));
     }
-    if (!launch_jobs(ctx, jobs, device, stream, to_device, batch.staging_bytes)) {
+    const auto track = tracing::stream_track(device, to_device ? tracing::CopyStream::kToDevice
+                                                               : tracing::CopyStream::kToHost);
+    if (!launch_jobs(ctx, jobs, device, stream, track, batch.staging_bytes)) {
       for (const transfer::PackedSlot& s : batch.slots) direct_copy(ctx, items[s.item], device, stream, to_device);
     }
   }
@@ -255,54 +244,102 @@ void run_direct(PathContext& ctx, const std::vector<CopyItem>& items, int device
   }
 }
 
+// The copy stream (or, from the worker, the staging stream) waits for the
+// producer's work up to `start`.
+std::shared_ptr<rt::Event> record_start(int device, const GpuStreams& streams) {
+  auto start = std::make_shared<rt::Event>(device);
+  start->record(streams.producer);
+  start->block_stream(streams.copy);
+  return start;
+}
+
+template <class F>
+void report_errors(TaskOutcome& outcome, const char* what, F&& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    outcome.fail(std::string(what) + ": " + e.what());
+  } catch (...) {
+    outcome.fail(std::string(what) + ": unknown error");
+  }
+}
+
 }  // namespace
 
-std::uint64_t run_host_to_device(PathContext& ctx, std::vector<CopyItem> items, int device, rt::StreamHandle stream,
-                                 std::shared_ptr<rt::Event> done, std::vector<at::Tensor>& scratch) {
-  DeviceScope scope(device);
+void TaskOutcome::fail(const std::string& why) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (failed_) return;
+  failed_ = true;
+  error_ = why;
+}
+
+bool TaskOutcome::failed() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return failed_;
+}
+
+std::string TaskOutcome::error() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return error_;
+}
+
+std::uint64_t run_host_to_device(PathContext& ctx, std::vector<CopyItem> items, int device, const GpuStreams& streams,
+                                 std::shared_ptr<rt::Event> done, std::vector<at::Tensor>& scratch,
+                                 std::shared_ptr<TaskOutcome> outcome) {
+  rt::DeviceGuard guard(device);
   std::vector<CopyItem> pinned;
   auto job = std::make_shared<StagedJob>();
   for (CopyItem& it : items) (it.src_mapped != nullptr ? pinned : job->items).push_back(it);
-  run_direct(ctx, pinned, device, stream, /*to_device=*/true);
+  // Scratch first: everything the copy writes exists before `start`, so the
+  // copy is ordered after any earlier use of that memory on the producer stream.
+  if (!job->items.empty()) {
+    job->plan = plan_items(job->items, /*wire_is_dst=*/true);
+    std::size_t scratch_bytes = 0;
+    for (const PackedBatch& b : job->plan.batches) {
+      job->scratch_offsets.push_back(scratch_bytes);
+      scratch_bytes = round_up(scratch_bytes + b.staging_bytes, kAlign);
+    }
+    if (scratch_bytes > 0) {
+      at::Tensor buffer = at::empty({static_cast<std::int64_t>(scratch_bytes)},
+                                    at::TensorOptions().dtype(at::kByte).device(c10::kCUDA, device));
+      job->scratch = buffer.data_ptr();
+      scratch.push_back(std::move(buffer));
+    }
+  }
+  auto start = record_start(device, streams);
+  run_direct(ctx, pinned, device, streams.copy, /*to_device=*/true);
   if (job->items.empty()) {
-    done->record(stream);
+    done->record(streams.copy);
     return 0;
   }
-  job->plan = plan_items(job->items, /*wire_is_dst=*/true);
-  std::size_t scratch_bytes = 0;
-  for (const PackedBatch& b : job->plan.batches) {
-    job->scratch_offsets.push_back(scratch_bytes);
-    scratch_bytes = round_up(scratch_bytes + b.staging_bytes, kAlign);
-  }
-  if (scratch_bytes > 0) {
-    at::Tensor buffer = at::empty({static_cast<std::int64_t>(scratch_bytes)},
-                                  at::TensorOptions().dtype(at::kByte).device(c10::kCUDA, device));
-    job->scratch = buffer.data_ptr();
-    scratch.push_back(std::move(buffer));
-  }
+  // The worker stages on a stream of its own, so its copies never queue
+  // behind the producer waits of transfers started after this one.
+  auto direct_done = std::make_shared<rt::Event>(device);
+  direct_done->record(streams.copy);
   ctx.counters.worker_tasks += 1;
   PathContext worker_ctx = ctx;
-  return ctx.worker.submit([worker_ctx, job, device, stream, done]() mutable {
-    DeviceScope worker_scope(device);
-    try {
-      stage_batches(worker_ctx, *job, device, stream);
-      stage_chunks(worker_ctx, *job, device, stream);
-    } catch (...) {
-      try {
-        done->record(stream);  // completion still covers what was enqueued
-      } catch (...) {
-      }
-      throw;
-    }
-    done->record(stream);
+  const rt::StreamHandle staging = streams.staging;
+  return ctx.worker.submit([worker_ctx, job, device, staging, start, direct_done, done, outcome]() mutable {
+    report_errors(*outcome, "staging pageable tensors", [&] {
+      rt::DeviceGuard worker_guard(device);
+      start->block_stream(staging);
+      stage_batches(worker_ctx, *job, device, staging);
+      stage_chunks(worker_ctx, *job, device, staging);
+    });
+    report_errors(*outcome, "recording the completion", [&] {  // also after a failure: it covers what was queued
+      rt::DeviceGuard worker_guard(device);
+      direct_done->block_stream(staging);
+      done->record(staging);
+    });
   });
 }
 
-void run_device_to_host(PathContext& ctx, std::vector<CopyItem> items, int device, rt::StreamHandle stream,
+void run_device_to_host(PathContext& ctx, std::vector<CopyItem> items, int device, const GpuStreams& streams,
                         std::shared_ptr<rt::Event> done) {
-  DeviceScope scope(device);
-  run_direct(ctx, items, device, stream, /*to_device=*/false);
-  done->record(stream);
+  rt::DeviceGuard guard(device);
+  record_start(device, streams);
+  run_direct(ctx, items, device, streams.copy, /*to_device=*/false);
+  done->record(streams.copy);
 }
 
 namespace {
@@ -320,7 +357,7 @@ void copy_on_host(const std::vector<CopyItem>& items, const char* track) {
 
 }  // namespace
 
-std::uint64_t run_on_worker(PathContext& ctx, std::vector<CopyItem> items) {
+std::uint64_t run_on_host(PathContext& ctx, std::vector<CopyItem> items, std::shared_ptr<TaskOutcome> outcome) {
   std::size_t bytes = 0;
   for (const CopyItem& it : items) bytes += it.dst_bytes();
   ctx.counters.direct_copies += items.size();
@@ -329,7 +366,9 @@ std::uint64_t run_on_worker(PathContext& ctx, std::vector<CopyItem> items) {
     return 0;
   }
   ctx.counters.worker_tasks += 1;
-  return ctx.worker.submit([items = std::move(items)] { copy_on_host(items, tracing::worker_track()); });
+  return ctx.worker.submit([items = std::move(items), outcome] {
+    report_errors(*outcome, "copying on the worker", [&] { copy_on_host(items, tracing::worker_track()); });
+  });
 }
 
 }  // namespace hipferry::engine

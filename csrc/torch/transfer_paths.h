@@ -8,6 +8,8 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <mutex>
+#include <string>
 #include <vector>
 
 #include "core/element_type.h"
@@ -43,25 +45,50 @@ struct PathContext {
   std::shared_ptr<pool::HostPool> pool;  // staging blocks and job tables
 };
 
-// Each function enqueues the copy and returns the worker ticket that ends it
-// (0 when the worker is not involved). `done` is recorded on `stream` after
-// all of the transfer's stream work (by the worker when it is involved).
-// Device buffers the copy needs are appended to `scratch` (keep them alive
-// until completion). Throws before enqueueing anything for bad input; a
-// throw after partial enqueueing leaves `done` unrecorded (the caller records it).
+// What a worker task reports. Tasks never throw into the worker: every waiter
+// of a transfer must see the same error (SerialWorker::wait hands a task's
+// exception to its first waiter only).
+class TaskOutcome {
+ public:
+  void fail(const std::string& why);  // keeps the first error
+  bool failed() const;
+  std::string error() const;
 
-// Host -> device on `stream` of `device`, which already waits for the producer.
-std::uint64_t run_host_to_device(PathContext& ctx, std::vector<CopyItem> items, int device,
-                                 rt::StreamHandle stream, std::shared_ptr<rt::Event> done,
-                                 std::vector<at::Tensor>& scratch);
-// Device -> host on `stream` of `device`, which already waits for the producer.
-void run_device_to_host(PathContext& ctx, std::vector<CopyItem> items, int device, rt::StreamHandle stream,
+ private:
+  mutable std::mutex mutex_;  // guards the two below
+  bool failed_ = false;
+  std::string error_;
+};
+
+// The streams of one GPU transfer.
+struct GpuStreams {
+  rt::StreamHandle producer = nullptr;  // the caller's current stream (nullptr: its default stream)
+  rt::StreamHandle copy = nullptr;      // hipferry's stream of this direction
+  rt::StreamHandle staging = nullptr;   // worker-only host->device stream (pageable sources)
+};
+
+// Each function first records an event on the producer stream and makes the
+// copy stream (and, from the worker, the staging stream) wait for it, so the
+// copy is ordered after the work that produced the sources. It returns the
+// worker ticket that ends the transfer (0 when the worker is not involved);
+// `done` is recorded after all of the transfer's stream work (by the worker
+// when it is involved). Device buffers the copy needs are appended to
+// `scratch` (keep them until completion). Errors before anything is queued
+// throw; a throw after that leaves `done` unrecorded (synchronize the
+// streams before letting go of anything); worker errors go to `outcome`.
+
+// Host -> device.
+std::uint64_t run_host_to_device(PathContext& ctx, std::vector<CopyItem> items, int device, const GpuStreams& streams,
+                                 std::shared_ptr<rt::Event> done, std::vector<at::Tensor>& scratch,
+                                 std::shared_ptr<TaskOutcome> outcome);
+// Device -> host (the destinations are host addresses, mapped where possible).
+void run_device_to_host(PathContext& ctx, std::vector<CopyItem> items, int device, const GpuStreams& streams,
                         std::shared_ptr<rt::Event> done);
 // Host -> host (CPU-only build, device "cpu"): one task on the worker, or,
 // up to kInlineHostBytes in all, done on the calling thread at once (a
 // hand-off to the worker and back costs tens of microseconds on an idle core,
 // as much as copying this much; there is nothing worth overlapping).
 constexpr std::size_t kInlineHostBytes = std::size_t{256} << 10;
-std::uint64_t run_on_worker(PathContext& ctx, std::vector<CopyItem> items);
+std::uint64_t run_on_host(PathContext& ctx, std::vector<CopyItem> items, std::shared_ptr<TaskOutcome> outcome);
 
 }  // namespace hipferry::engine

@@ -158,3 +158,31 @@ TEST_F(GpuRuntime, PageableMemoryHasNoDevicePointerAndLeavesNoError) {
 
 }  // namespace
 }  // namespace hipferry
+
+namespace hipferry {
+namespace {
+
+TEST(Runtime, CpuBuildDeviceGuardAndStreamSynchronizeAreNoOps) {
+  if (rt::build_info().platform != "cpu") GTEST_SKIP() << "GPU build";
+  rt::DeviceGuard guard(3);  // no device exists: nothing to switch, nothing to throw
+  rt::stream_synchronize(nullptr, 3);
+}
+
+TEST(GpuRuntimeGuard, DeviceGuardSwitchesAndRestores) {
+  if (rt::device_count() == 0) GTEST_SKIP() << "no GPU device";
+  const int last = rt::device_count() - 1;
+  rt::set_device(0);
+  {
+    rt::DeviceGuard guard(last);
+    EXPECT_EQ(rt::current_device(), last);
+    rt::Stream s(last);
+    rt::stream_synchronize(s.handle(), last);
+    rt::stream_synchronize(nullptr, last);  // the default stream of `last`
+  }
+  EXPECT_EQ(rt::current_device(), 0);
+  EXPECT_THROW(rt::DeviceGuard bad(rt::device_count()), rt::Error);
+  EXPECT_EQ(rt::current_device(), 0);
+}
+
+}  // namespace
+}  // namespace hipferry
