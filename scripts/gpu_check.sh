@@ -37,7 +37,8 @@ run build env HIPFERRY_BUILD_DIR="$BUILD_DIR" HIPFERRY_BUILD_TESTS=ON HIPFERRY_G
 run ctest ctest --test-dir "$BUILD_DIR" --output-on-failure -LE exhaustive -j "$(nproc)"
 run pytest $PY -m pytest -q -ra tests/python --junitxml="$OUT/pytest.xml"
 run doctor $PY -m hipferry doctor
-run bench $PY -m hipferry bench pool copy_cast --out "$OUT/bench" --repeats 3 --max-bytes 268435456
+run bench $PY -m hipferry bench transfer pool copy_cast --out "$OUT/bench" --repeats 3 --max-bytes 1073741824
 run example $PY examples/convert_weights.py
+run example_prefetch $PY examples/prefetch_pipeline.py --out "$OUT/prefetch"
 echo "done in $(( $(date +%s) - start ))s, status $status; results in $OUT"
 exit $status
