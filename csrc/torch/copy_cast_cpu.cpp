@@ -9,6 +9,7 @@
 
 #include "core/copy_cast_cpu.h"
 #include "torch/copy_cast_checks.h"
+#include "torch/trace_session.h"
 
 namespace hipferry {
 namespace {
@@ -17,11 +18,19 @@ namespace {
 // enough that a few MiB already use every core.
 constexpr int64_t kGrainElements = 1 << 16;
 
+void copy_cast_cpu_run(at::Tensor& dst, const at::Tensor& src);
+
 void copy_cast_cpu_kernel(at::Tensor& dst, const at::Tensor& src) {
   check_copy_cast_args(dst, src);
   TORCH_CHECK(dst.is_cpu() && src.is_cpu(), "hipferry.copy_cast_: CPU kernel called with dst on ",
               dst.device(), " and src on ", src.device());
   if (dst.numel() == 0 || copy_cast_is_noop(dst, src)) return;
+  const std::int64_t t0 = tracing::now_ns();
+  copy_cast_cpu_run(dst, src);
+  tracing::add_host_span("copy_cast_", "kernel", "caller thread", t0, tracing::now_ns(), dst.nbytes());
+}
+
+void copy_cast_cpu_run(at::Tensor& dst, const at::Tensor& src) {
   if (dst.scalar_type() == src.scalar_type()) {
     // Any dtype: a parallel byte copy.
     auto* d = static_cast<char*>(dst.data_ptr());

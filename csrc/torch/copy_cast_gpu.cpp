@@ -10,11 +10,14 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <string>
+
 #include "copy_cast_kernel.h"
 #include "runtime.h"
 #include "torch/copy_cast_checks.h"
 #include "torch/current_stream.h"
 #include "torch/pinned_pool.h"
+#include "torch/trace_session.h"
 
 namespace hipferry {
 namespace {
@@ -59,12 +62,16 @@ void copy_cast_gpu_kernel(at::Tensor& dst, const at::Tensor& src) {
   const void* s = device_address(src, "src", device);
   const rt::StreamHandle stream = current_torch_stream(device);
   try {
+    rt::DeviceGuard guard(device);
+    tracing::StreamSpan span(device, stream, "gpu:" + std::to_string(device) + " current stream", "copy_cast_",
+                             dst.scalar_type() == src.scalar_type() ? "copy" : "kernel", dst.nbytes());
     if (dst.scalar_type() == src.scalar_type()) {
       rt::memcpy_async(d, s, dst.nbytes(), stream);
     } else {
       gpu::launch_copy_cast(s, element_type_of(src), d, element_type_of(dst), dst.numel(), stream,
                             device);
     }
+    span.end();
     // Pool blocks this copy reads or writes go back only after it has run.
     record_pool_use(dst, device, stream);
     record_pool_use(src, device, stream);

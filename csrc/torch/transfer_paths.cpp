@@ -221,7 +221,7 @@ void run_direct(PathContext& ctx, const std::vector<CopyItem>& items, int device
     for (const transfer::PackedSlot& s : batch.slots) {
       all_mapped = all_mapped && (to_device ? items[s.item].src_mapped : items[s.item].dst_mapped) != nullptr;
     }
-    if (!all_mapped) {
+    if (!all_mapped || batch.slots.size() == 1) {  // one tensor: a copy needs no job table
       for (const transfer::PackedSlot& s : batch.slots) direct_copy(ctx, items[s.item], device, stream, to_device);
       continue;
     }
