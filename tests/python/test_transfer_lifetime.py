@@ -1,0 +1,156 @@
+"""Transfers: ordering (in flight, in order, never stale after wait()) and lifetimes (sources,
+handles and results dropped at any point; no leak)."""
+import gc
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from transfer_helpers import *  # noqa: F401,F403 (fixtures and helpers)
+
+
+# --- ordering --------------------------------------------------------------------------
+
+def test_in_flight_then_in_order_then_waited_once(device):
+    a, b = torch.arange(1 << 20, dtype=torch.int32), -torch.arange(1 << 20, dtype=torch.int32)
+    hold(device)
+    t1, t2 = hipferry.prefetch(a, device), hipferry.prefetch(b, device)
+    assert not t1.ready() and not t2.ready(), "held in flight by transfer_worker_sleep"
+    out2 = t2.wait()
+    if device == "cpu":
+        assert t2.ready(), "wait() for a host result blocks until the copy ran"
+    else:
+        t2.synchronize()
+    assert t1.ready(), "the earlier transfer completes first"
+    check_same(out2, b)
+    check_same(t1.wait(), a)
+    with pytest.raises(RuntimeError, match="already waited"):
+        t2.wait()
+
+
+def run_python(device, body):
+    """Runs `body` in a fresh interpreter (a hang or a crash must not take the test run with it)."""
+    code = f"import sys, threading, time, torch, hipferry\ndevice = {device!r}\n" + textwrap.dedent(body)
+    try:
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"hung for 60 s (a deadlock?); it printed {e.stdout!r}")
+
+
+def test_ready_never_blocks_while_another_thread_waits(device):
+    r = run_python(device, """
+        hipferry._C.transfer_worker_sleep(3000)
+        t = hipferry.prefetch(torch.ones(1 << 20), device)
+        inside = threading.Event()
+        waiter = threading.Thread(target=lambda: (inside.set(), t.wait()))
+        waiter.start()
+        inside.wait()
+        time.sleep(0.3)
+        print("ready while held:", t.ready(), flush=True)  # the worker holds the copy ~2.7 s more
+        waiter.join()
+        t.synchronize()
+        print("ready after:", t.ready(), flush=True)
+    """)
+    assert r.returncode == 0, f"rc {r.returncode}: {r.stdout} {r.stderr[-2000:]}"
+    assert r.stdout.split("\n")[:2] == ["ready while held: False", "ready after: True"], r.stdout
+
+
+def test_interpreter_exits_with_transfers_in_flight(device):
+    r = run_python(device, """
+        pool = hipferry.PinnedPool(capacity="64MiB")
+        hipferry._C.transfer_worker_sleep(300)
+        kept = hipferry.prefetch(hipferry.pin(torch.ones(1 << 20), pool=pool), device, pool=pool)
+        hipferry.prefetch(torch.ones(1 << 20), device)  # dropped at once
+        offloaded = hipferry.offload([torch.ones(1000).to(device)], pool=pool)
+        print("exiting", flush=True)
+    """)
+    assert r.returncode == 0 and r.stdout == "exiting\n", f"rc {r.returncode}: {r.stdout} {r.stderr[-2000:]}"
+
+
+def test_consumer_after_wait_never_sees_stale_data(device, pool):
+    base = torch.arange(10 * MiB, dtype=torch.int32)  # 40 MiB, every element distinct
+    for k in range(3):
+        src = hipferry.pin(base + k, pool=pool)
+        hold(device, 50)
+        out = hipferry.prefetch(src, device, pool=pool).wait()
+        del src
+        consumed = out + 0  # a kernel on the current stream right after wait()
+        assert torch.equal(consumed.cpu(), base + k), f"round {k}: stale or partial data"
+
+
+# --- lifetime --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["pageable", "pool"])
+def test_source_deleted_while_in_flight(device, kind, pool):
+    n = 2 * MiB
+    src = make_source(kind, torch.arange(n, dtype=torch.float32), pool)
+    addr = storage(src)
+    hold(device)
+    t = hipferry.prefetch(src, device, pool=pool)
+    del src
+    gc.collect()
+    if kind == "pool":
+        other = pool.empty(n)
+        assert storage(other) != addr, "the source's block was reused while a copy from it was queued"
+    else:
+        other = [torch.empty(n) for _ in range(4)]
+    tree_map(lambda x: x.fill_(-1), other)
+    check_same(t.wait(), torch.arange(n, dtype=torch.float32))
+
+
+def test_handle_dropped_without_waiting(device, pool):
+    drain()
+    pending = hipferry.transfer_stats()["pending_releases"]
+    hold(device)
+    t = hipferry.prefetch(hipferry.pin(torch.ones(MiB), pool=pool), device, pool=pool)
+    assert not t.ready()
+    del t
+    gc.collect()
+    assert hipferry.transfer_stats()["pending_releases"] >= pending
+    later = hipferry.prefetch(torch.arange(WORKER_ELEMENTS), device)  # queued behind it
+    later.synchronize()
+    assert pending_releases_after_polling(pending) == pending
+    assert torch.equal(later.wait().cpu(), torch.arange(WORKER_ELEMENTS))
+
+
+def test_results_deleted_right_after_wait(device, pool):
+    out = hipferry.prefetch(torch.ones(MiB), device, pool=pool).wait()
+    del out
+    fresh = torch.full((MiB,), -1.0, device=device)  # may reuse the freed memory: the copy must be done
+    assert torch.equal(fresh.cpu(), torch.full((MiB,), -1.0))
+    start_bytes = settled(pool)["allocated_bytes"]
+    res = hipferry.offload([torch.ones(1000).to(device), torch.ones(77).to(device)], pool=pool).wait()
+    assert pool.stats()["allocated_bytes"] > start_bytes
+    del res
+    gc.collect()
+    assert settled(pool)["allocated_bytes"] == start_bytes, "offload results give their pool blocks back"
+
+
+def test_no_leak_over_many_iterations(device):
+    # 200 iterations of 2 x 1 MiB would leak ~400 MiB: far more than the capacity.
+    with hipferry.PinnedPool(capacity="64MiB") as p:
+        start_stats = p.stats()
+        for half in range(2):
+            for i in range(100):
+                if i % 10 == 0:
+                    hold(device, 5)
+                src = hipferry.pin(torch.full((WORKER_ELEMENTS,), float(i)), pool=p)
+                if i % 4 == 3:
+                    t = hipferry.offload(src.to(device), pool=p)
+                else:
+                    t = hipferry.prefetch(src, device, pool=p)
+                if i % 4 == 1:
+                    del t  # dropped unwaited
+                    continue
+                del src  # deleted before the copy completed
+                out = t.wait()
+                if i % 8 == 0:
+                    assert float(out[-1]) == float(i)
+                del t, out
+            s = settled(p)
+            assert s["live_blocks"] == start_stats["live_blocks"], f"half {half}: {s}"
+            assert s["allocated_bytes"] == start_stats["allocated_bytes"], f"half {half}: {s}"
+            assert s["waiting_blocks"] == 0 and s["reserved_bytes"] <= 64 * MiB
+            p.check_invariants()

@@ -1,0 +1,112 @@
+"""Transfers: values arrive exactly -- every dtype, fused conversions, structures, views, sizes and
+sources (spec: docs/transfer-engine-plan.md, "The Python API (issue 4)")."""
+import re
+
+import pytest
+import torch
+
+from transfer_helpers import *  # noqa: F401,F403 (fixtures and helpers)
+
+
+# --- values arrive exactly ------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", PLAIN_DTYPES, ids=lambda d: str(d)[6:])
+def test_plain_copy_every_dtype(device, direction, dtype, pool):
+    src = random_tensor((37, 129), dtype, seed=PLAIN_DTYPES.index(dtype))
+    t = start(direction, src, device, pool=pool)
+    assert t.num_tensors == 1 and t.nbytes == src.nbytes
+    assert torch.device(t.device).type == (device if direction == "prefetch" else "cpu")
+    out = t.wait()
+    check_result(direction, device, out, src, pool)
+
+
+@pytest.mark.parametrize("src_dtype,dst_dtype", PAIRS, ids=lambda d: str(d)[6:])
+def test_fused_conversion_bit_exact(device, direction, src_dtype, dst_dtype, pool):
+    src = hipferry.pin(inputs_for(src_dtype), pool=pool)  # specials, all 16-bit patterns, random bits
+    t = start(direction, src, device, dtype=dst_dtype, pool=pool)
+    assert t.nbytes == src.numel() * dst_dtype.itemsize
+    out = t.wait()
+    check_placement(direction, device, out, src, pool)
+    check_converted(out, src, dst_dtype)
+
+
+def test_structure_is_kept(device, direction, pool):
+    ts = [random_tensor((n, 3), torch.float32, seed=n) for n in range(1, 7)]
+    tensors = {"w": [ts[0], ts[1]], "t": (ts[2], ts[3]), "s": ts[4], "empty": [], "n": {"x": [ts[5]]}}
+    t = start(direction, tensors, device, pool=pool)
+    assert t.num_tensors == 6 and t.nbytes == sum(x.nbytes for x in ts)
+    out = t.wait()
+    assert tree_flatten(out)[1] == tree_flatten(tensors)[1], "structure (types, keys, order) not kept"
+    for got, want in zip(tree_flatten(out)[0], ts):
+        check_result(direction, device, got, want, pool)
+    check_same(start(direction, ts[0], device, pool=pool).wait(), ts[0])  # a single tensor stays one
+    for empty in ([], {}, ()):
+        e = start(direction, empty, device)
+        assert e.num_tensors == 0 and e.nbytes == 0 and e.wait() == empty
+
+
+def test_views_and_non_contiguous_sources_arrive_contiguous(device):
+    big = torch.arange(5000, dtype=torch.float32)
+    srcs = [big[3:1000], big.view(50, 100).t(), big[::3], big.view(50, 100)[:, 7:20], big[4321],
+            torch.full((1,), 2.5).expand(100), big.view(10, 5, 100).permute(2, 0, 1)]
+    t = hipferry.prefetch(srcs, device)
+    assert t.nbytes == sum(s.numel() * 4 for s in srcs)
+    for got, src in zip(t.wait(), srcs):
+        check_result("prefetch", device, got, src, want=src.contiguous())
+    assert torch.equal(big, torch.arange(5000, dtype=torch.float32)), "the source was modified"
+
+
+@pytest.mark.filterwarnings("ignore:.*quantize:UserWarning")  # torch's deprecation of quantized tensors
+@pytest.mark.parametrize("make", [
+    lambda: torch.randn(64, dtype=torch.complex64).conj(), lambda: torch.randn(64)._neg_view(),
+    lambda: torch.quantize_per_tensor(torch.randn(64), 0.1, 3, torch.qint8)], ids=["conj", "neg", "quantized"])
+def test_lazy_views_and_quantized_arrive_exactly_or_are_rejected(device, direction, make):
+    src = make()
+    if src.is_quantized and device == "cuda":
+        pytest.skip("quantized tensors: checked on the CPU only")
+    try:
+        out = start(direction, src, device).wait()
+    except (ValueError, TypeError) as e:  # a clear rejection is fine too
+        assert re.search(r"conj|neg|quantiz", str(e)), str(e)
+        return
+    if src.is_quantized:
+        assert out.is_quantized and (out.q_scale(), out.q_zero_point()) == (src.q_scale(), src.q_zero_point())
+        assert torch.equal(out.int_repr().cpu(), src.int_repr())
+    else:
+        assert torch.equal(out.cpu(), src), f"got {out[:3]}, expected {src[:3]} (the conj/neg bit was dropped)"
+
+
+def test_size_zero_and_scalars(device, direction, pool):
+    srcs = [torch.empty(0), torch.empty(3, 0, 5, dtype=torch.int16), torch.tensor(3.5), torch.tensor(-7)]
+    t = start(direction, srcs, device, pool=pool)
+    assert t.num_tensors == 4 and t.nbytes == 4 + 8
+    out = t.wait()
+    for got, src in zip(out, srcs):
+        check_result(direction, device, got, src, pool)
+    scalar = start(direction, torch.tensor(1.25, dtype=torch.float32), device, dtype=torch.bfloat16).wait()
+    assert scalar.shape == () and scalar.dtype == torch.bfloat16 and float(scalar) == 1.25
+
+
+def test_many_small_tensors(device, pool):
+    srcs = [hipferry.pin(torch.full((4096,), float(i)), pool=pool) for i in range(1000)]  # 16 KiB each
+    before = hipferry.transfer_stats()
+    t = hipferry.prefetch(srcs, device, pool=pool)
+    assert t.num_tensors == 1000
+    assert torch.equal(torch.stack(t.wait()).cpu(), torch.stack(srcs))
+    d = stats_delta(before)
+    assert d["transfers"] == 1 and d["bytes"] == 1000 * 16384, d
+    if device == "cuda":
+        assert d["packed_tensors"] == 1000 and d["packed_batches"] >= 1, d
+
+
+@pytest.mark.parametrize("kind", SOURCES)
+@pytest.mark.parametrize("n", [4096, 10 * MiB], ids=["16KiB", "40MiB"])
+def test_sources_of_every_kind(device, kind, n, pool):
+    src = make_source(kind, torch.randint(-2**31, 2**31 - 1, (n,), dtype=torch.int32), pool)
+    before = hipferry.transfer_stats()
+    out = hipferry.prefetch(src, device, pool=pool).wait()
+    check_result("prefetch", device, out, src)
+    d = stats_delta(before)
+    assert d["transfers"] == 1 and d["bytes"] == src.nbytes, d
+    if device == "cuda" and n > 4096 and kind == "pageable":
+        assert d["staged_chunks"] >= 2, f"40 MiB pageable should stream through pinned chunks: {d}"
