@@ -48,8 +48,9 @@ std::shared_ptr<Transfer> start(TransferKind kind, std::vector<at::Tensor> sourc
 py::tuple trace_stop() {
   tracing::TraceResult r;
   {
-    py::gil_scoped_release no_gil;  // waits for the traced stream work
+    py::gil_scoped_release no_gil;  // waits for the traced host and stream work
     try {
+      drain_transfer_worker();
       r = tracing::stop();
     } catch (const std::logic_error& e) {
       throw std::runtime_error(e.what());

@@ -350,7 +350,20 @@ std::shared_ptr<Transfer> start_transfer(TransferRequest r) {
   engine.counters().bytes += handle->nbytes_;
   handle->outcome_ = std::make_shared<engine::TaskOutcome>();
   if (!gpu) {
-    handle->completion_.ticket = engine::run_on_host(ctx, std::move(items), handle->outcome_);
+    // Pinned sources may still be written by a device->host copy queued on the
+    // current stream: the host copy waits for it (pageable memory cannot be).
+    std::shared_ptr<rt::Event> produced;
+    bool any_pinned = false;
+    if (rt::build_info().platform != "cpu" && rt::device_count() > 0) {
+      for (const at::Tensor& t : sources) any_pinned = any_pinned || mapped_address(t) != nullptr;
+    }
+    if (any_pinned) {
+      const int current = current_torch_device();
+      rt::DeviceGuard guard(current);
+      produced = std::make_shared<rt::Event>(current);
+      produced->record(current_torch_stream(current));
+    }
+    handle->completion_.ticket = engine::run_on_host(ctx, std::move(items), handle->outcome_, produced);
   } else {
     rt::DeviceGuard guard(device);  // the producer may be the default stream (nullptr) of `device`
     engine::GpuStreams streams;
@@ -401,6 +414,11 @@ TransferStats transfer_stats() {
 }
 
 std::size_t poll_transfer_releases() { return Engine::get().poll(); }
+
+void drain_transfer_worker() {
+  transfer::SerialWorker& worker = Engine::get().worker();
+  worker.wait(worker.last_submitted());
+}
 
 void transfer_worker_sleep(double milliseconds) {
   TORCH_CHECK_VALUE(milliseconds >= 0 && milliseconds <= 60000,

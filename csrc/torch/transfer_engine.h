@@ -133,6 +133,10 @@ TransferStats transfer_stats();
 // Lets go of released holdings whose transfers have completed; returns how many.
 std::size_t poll_transfer_releases();
 
+// Blocks until every task queued on the transfer worker so far has run (a
+// trace ends with the host copies it saw start).
+void drain_transfer_worker();
+
 // Tests: queue a sleep on the transfer worker (holds later transfers in flight).
 void transfer_worker_sleep(double milliseconds);
 

@@ -357,17 +357,22 @@ void copy_on_host(const std::vector<CopyItem>& items, const char* track) {
 
 }  // namespace
 
-std::uint64_t run_on_host(PathContext& ctx, std::vector<CopyItem> items, std::shared_ptr<TaskOutcome> outcome) {
+std::uint64_t run_on_host(PathContext& ctx, std::vector<CopyItem> items, std::shared_ptr<TaskOutcome> outcome,
+                          std::shared_ptr<rt::Event> produced) {
   std::size_t bytes = 0;
   for (const CopyItem& it : items) bytes += it.dst_bytes();
   ctx.counters.direct_copies += items.size();
   if (bytes <= kInlineHostBytes) {  // cheaper than waking the worker and being woken back
+    if (produced) produced->synchronize();
     copy_on_host(items, "caller thread");
     return 0;
   }
   ctx.counters.worker_tasks += 1;
-  return ctx.worker.submit([items = std::move(items), outcome] {
-    report_errors(*outcome, "copying on the worker", [&] { copy_on_host(items, tracing::worker_track()); });
+  return ctx.worker.submit([items = std::move(items), outcome, produced] {
+    report_errors(*outcome, "copying on the worker", [&] {
+      if (produced) produced->synchronize();
+      copy_on_host(items, tracing::worker_track());
+    });
   });
 }
 

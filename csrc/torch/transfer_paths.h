@@ -89,6 +89,8 @@ void run_device_to_host(PathContext& ctx, std::vector<CopyItem> items, int devic
 // hand-off to the worker and back costs tens of microseconds on an idle core,
 // as much as copying this much; there is nothing worth overlapping).
 constexpr std::size_t kInlineHostBytes = std::size_t{256} << 10;
-std::uint64_t run_on_host(PathContext& ctx, std::vector<CopyItem> items, std::shared_ptr<TaskOutcome> outcome);
+// `produced` (may be nullptr): an event on the producer stream the copy waits for first.
+std::uint64_t run_on_host(PathContext& ctx, std::vector<CopyItem> items, std::shared_ptr<TaskOutcome> outcome,
+                          std::shared_ptr<rt::Event> produced);
 
 }  // namespace hipferry::engine

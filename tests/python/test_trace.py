@@ -166,3 +166,22 @@ def test_gpu_copies_are_timed_on_a_stream_track():
     tr, _ = traced_work("cuda")
     tracks = {e["track"] for e in tr.events if e["category"] == "copy"}
     assert tracks and all("cuda" in t or "stream" in t for t in tracks), tracks
+
+
+def test_host_copy_in_flight_when_the_trace_ends_is_recorded():
+    src = torch.ones(MiB)  # 4 MiB: above the inline limit, a worker task
+    with hipferry.trace() as tr:
+        hipferry._C.transfer_worker_sleep(100)
+        t = hipferry.prefetch(src, "cpu")
+    copies = [e for e in tr.events if e["category"] == "copy"]
+    assert [e["bytes"] for e in copies] == [src.nbytes], tr.events
+    assert copies[0]["track"] == "cpu transfer worker"
+    assert torch.equal(t.wait(), src)
+
+
+def test_copy_cast_is_traced_on_the_cpu():
+    src = torch.randn(1000)
+    dst = torch.empty(1000, dtype=torch.bfloat16)
+    with hipferry.trace() as tr:
+        hipferry.copy_cast_(dst, src)
+    assert [(e["name"], e["track"], e["bytes"]) for e in tr.events] == [("copy_cast_", "caller thread", 2000)]

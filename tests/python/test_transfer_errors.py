@@ -115,6 +115,19 @@ def test_gpu_prefetch_sees_values_a_kernel_is_still_writing(n, pool):
 
 
 @requires_gpu
+@pytest.mark.parametrize("n", [4096, 4 * MiB], ids=["inline", "worker"])
+def test_gpu_host_copy_of_pinned_memory_waits_for_a_queued_device_to_host_copy(n, pool):
+    """device="cpu" reads pinned memory on the host: it must wait for the
+    current stream's queued copy into it (the calling thread or the worker waits)."""
+    values = torch.arange(n, dtype=torch.float32, device="cuda")
+    host = pool.empty(n).fill_(-1)
+    torch.cuda._sleep(100_000_000)
+    host.copy_(values, non_blocking=True)
+    out = hipferry.prefetch(host, "cpu", pool=pool).wait()
+    assert torch.equal(out, torch.arange(n, dtype=torch.float32))
+
+
+@requires_gpu
 def test_gpu_wait_orders_a_side_stream():
     srcs = [hipferry.pin(torch.full((4096,), float(i))) for i in range(64)]
     side = torch.cuda.Stream()
