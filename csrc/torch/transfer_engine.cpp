@@ -325,8 +325,10 @@ std::shared_ptr<Transfer> start_transfer(TransferRequest r) {
     // Lazy conjugate / negative views are materialized: the copy moves bytes.
     at::Tensor src = t.resolve_conj().resolve_neg().contiguous();
     const at::ScalarType out_type = r.dtype.value_or(t.scalar_type());
-    at::Tensor dst = prefetch ? at::empty(t.sizes(), at::TensorOptions().dtype(out_type).device(where))
-                              : pool_empty(r.pool_id, t.sizes(), out_type);  // OutOfMemoryError: nothing queued
+    // Host results come from the pool: cached blocks, so a copy does not pay
+    // for faulting in fresh pages (which costs more than the copy itself).
+    at::Tensor dst = gpu && prefetch ? at::empty(t.sizes(), at::TensorOptions().dtype(out_type).device(where))
+                                     : pool_empty(r.pool_id, t.sizes(), out_type);  // OutOfMemoryError: nothing queued
     handle->nbytes_ += dst.nbytes();
     sources.push_back(std::move(src));
     results.push_back(std::move(dst));
