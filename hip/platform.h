@@ -18,6 +18,14 @@ inline const char* hipferry_arch_name(const hipDeviceProp_t& p, char*, int) {
   return p.gcnArchName;
 }
 
+// Many copies in one runtime call. Not used on ROCm: hipMemcpyBatchAsync
+// (ROCm 7.1+) was a loop of single copies and rejected attributes in 7.2
+// (ROCm/clr#273), so hipferry's own batched kernel is the batched path there.
+inline hipError_t hipferry_memcpy_batch_async(void* const*, const void* const*, const size_t*, size_t,
+                                              hipStream_t) {
+  return hipErrorNotSupported;
+}
+
 #else  // NVIDIA
 
 #include <cstdio>
@@ -84,6 +92,37 @@ using hipEvent_t = cudaEvent_t;
 #define hipMemcpy cudaMemcpy
 #define hipMemcpyAsync cudaMemcpyAsync
 #define hipMemcpyDefault cudaMemcpyDefault
+
+#define hipErrorNotSupported cudaErrorNotSupported
+
+// Many copies in one runtime call: cudaMemcpyBatchAsync (CUDA 12.8+; 13.0
+// dropped its failIdx argument). Each copy may start as soon as the stream
+// reaches the batch (sources are stable from then on).
+inline hipError_t hipferry_memcpy_batch_async(void* const* dsts, const void* const* srcs, const size_t* sizes,
+                                              size_t count, hipStream_t stream) {
+#if CUDART_VERSION >= 12080
+  cudaMemcpyAttributes attr = {};
+  attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+  attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+  size_t attr_index = 0;
+#if CUDART_VERSION >= 13000
+  const cudaError_t err = cudaMemcpyBatchAsync(dsts, srcs, sizes, count, &attr, &attr_index, 1, stream);
+#else
+  size_t fail_index = 0;
+  const cudaError_t err = cudaMemcpyBatchAsync(const_cast<void**>(dsts), const_cast<void**>(srcs),
+                                               const_cast<size_t*>(sizes), count, &attr, &attr_index, 1,
+                                               &fail_index, stream);
+#endif
+  if (err == cudaErrorCallRequiresNewerDriver) {  // a runtime newer than the driver: not available here
+    (void)cudaGetLastError();
+    return cudaErrorNotSupported;
+  }
+  return err;
+#else
+  (void)dsts, (void)srcs, (void)sizes, (void)count, (void)stream;
+  return cudaErrorNotSupported;
+#endif
+}
 
 // CUDA reports compute capability; name it like the compiler does ("sm_90").
 inline const char* hipferry_arch_name(const hipDeviceProp_t& p, char* buf, int len) {

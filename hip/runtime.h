@@ -135,6 +135,12 @@ void device_free(void* ptr, int device);
 
 // Copies between any two addresses the runtime knows (unified addressing).
 void memcpy_async(void* dst, const void* src, std::size_t bytes, StreamHandle stream);
+// `count` such copies as ONE runtime call where the runtime has a working
+// batched copy (CUDA 12.8+ with a driver that has it). Returns false, having
+// queued nothing, where it does not (ROCm: see platform.h). The CPU-only build
+// copies in place and returns true.
+bool memcpy_batch_async(void* const* dsts, const void* const* srcs, const std::size_t* sizes, std::size_t count,
+                        StreamHandle stream);
 void memcpy_sync(void* dst, const void* src, std::size_t bytes);
 
 }  // namespace hipferry::rt

@@ -64,6 +64,11 @@ void device_free(void*, int device) { no_device("device_free", device); }
 void memcpy_async(void* dst, const void* src, std::size_t bytes, StreamHandle) {
   std::memcpy(dst, src, bytes);
 }
+bool memcpy_batch_async(void* const* dsts, const void* const* srcs, const std::size_t* sizes, std::size_t count,
+                        StreamHandle) {
+  for (std::size_t i = 0; i < count; ++i) std::memcpy(dsts[i], srcs[i], sizes[i]);
+  return true;
+}
 void memcpy_sync(void* dst, const void* src, std::size_t bytes) { std::memcpy(dst, src, bytes); }
 
 }  // namespace hipferry::rt

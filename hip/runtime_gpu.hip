@@ -191,6 +191,18 @@ void memcpy_async(void* dst, const void* src, std::size_t bytes, StreamHandle st
   HIPFERRY_CHECK(hipMemcpyAsync(dst, src, bytes, hipMemcpyDefault, native(stream)));
 }
 
+bool memcpy_batch_async(void* const* dsts, const void* const* srcs, const std::size_t* sizes, std::size_t count,
+                        StreamHandle stream) {
+  if (count == 0) return true;
+  const hipError_t err = hipferry_memcpy_batch_async(dsts, srcs, sizes, count, native(stream));
+  if (err == hipErrorNotSupported) {
+    (void)hipGetLastError();
+    return false;
+  }
+  HIPFERRY_CHECK(err);
+  return true;
+}
+
 void memcpy_sync(void* dst, const void* src, std::size_t bytes) {
   HIPFERRY_CHECK(hipMemcpy(dst, src, bytes, hipMemcpyDefault));
 }

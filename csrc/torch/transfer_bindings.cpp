@@ -101,6 +101,7 @@ void bind_transfers(py::module_& m) {
     d["bytes"] = s.bytes;
     d["packed_batches"] = s.packed_batches;
     d["packed_tensors"] = s.packed_tensors;
+    d["runtime_batches"] = s.runtime_batches;
     d["staged_chunks"] = s.staged_chunks;
     d["direct_copies"] = s.direct_copies;
     d["worker_tasks"] = s.worker_tasks;
@@ -108,6 +109,8 @@ void bind_transfers(py::module_& m) {
     return d;
   });
   m.def("poll_transfer_releases", &poll_transfer_releases);
+  m.def("transfer_batched_copy", [](const std::string& mode) { return translate_errors([&] {
+          return set_batched_copy(mode); }); }, py::arg("mode") = "");
   m.def("transfer_worker_sleep", [](double ms) { translate_errors([&] { transfer_worker_sleep(ms); }); },
         py::arg("ms"));
   m.def("trace_start", [] {

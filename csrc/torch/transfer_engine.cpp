@@ -50,6 +50,15 @@ class Engine {
 
   transfer::SerialWorker& worker() { return worker_; }
   engine::Counters& counters() { return counters_; }
+  engine::PathContext context(std::shared_ptr<pool::HostPool> pool) {
+    return engine::PathContext{worker_, counters_, std::move(pool), batched_.load(), &runtime_batch_works_};
+  }
+  void set_batched_copy(engine::BatchedCopy mode) { batched_.store(mode); }
+  // "kernel", "runtime", or "kernel (the runtime has no batched copy)" once it said so.
+  std::string batched_copy() const {
+    if (batched_.load() == engine::BatchedCopy::kKernel) return "kernel";
+    return runtime_batch_works_.load() ? "runtime" : "kernel (the runtime has no batched copy)";
+  }
 
   // One of hipferry's streams on `device`, created on first use.
   rt::StreamHandle stream(int device, tracing::CopyStream kind) {
@@ -110,6 +119,8 @@ class Engine {
 
   transfer::SerialWorker worker_{"hipferry transfer worker"};
   engine::Counters counters_;
+  std::atomic<engine::BatchedCopy> batched_{engine::BatchedCopy::kKernel};
+  std::atomic<bool> runtime_batch_works_{true};  // until the runtime says otherwise
   std::mutex mutex_;  // guards streams_ and releases_; never held across a runtime call
   std::vector<std::unique_ptr<rt::Stream>> streams_;  // [device * 3 + CopyStream]
   std::vector<Holding> releases_;
@@ -347,7 +358,7 @@ std::shared_ptr<Transfer> start_transfer(TransferRequest r) {
     items.push_back(it);
   }
 
-  engine::PathContext ctx{engine.worker(), engine.counters(), pool};
+  engine::PathContext ctx = engine.context(pool);
   engine.counters().transfers += 1;
   engine.counters().bytes += handle->nbytes_;
   handle->outcome_ = std::make_shared<engine::TaskOutcome>();
@@ -408,6 +419,7 @@ TransferStats transfer_stats() {
   s.bytes = c.bytes;
   s.packed_batches = c.packed_batches;
   s.packed_tensors = c.packed_tensors;
+  s.runtime_batches = c.runtime_batches;
   s.staged_chunks = c.staged_chunks;
   s.direct_copies = c.direct_copies;
   s.worker_tasks = c.worker_tasks;
@@ -416,6 +428,20 @@ TransferStats transfer_stats() {
 }
 
 std::size_t poll_transfer_releases() { return Engine::get().poll(); }
+
+std::string set_batched_copy(const std::string& mode) {
+  Engine& e = Engine::get();
+  const std::string previous = e.batched_copy();
+  if (mode == "kernel") {
+    e.set_batched_copy(engine::BatchedCopy::kKernel);
+  } else if (mode == "runtime") {
+    e.set_batched_copy(engine::BatchedCopy::kRuntime);
+  } else {
+    TORCH_CHECK_VALUE(mode.empty(), "hipferry.configure_transfers: batched_copy must be 'kernel' or 'runtime', got '",
+                      mode, "'");
+  }
+  return mode.empty() ? previous : e.batched_copy();
+}
 
 void drain_transfer_worker() {
   transfer::SerialWorker& worker = Engine::get().worker();

@@ -123,6 +123,7 @@ struct TransferStats {
   std::uint64_t bytes = 0;            // destination bytes written
   std::uint64_t packed_batches = 0;   // gather/scatter launches and packed staging copies
   std::uint64_t packed_tensors = 0;
+  std::uint64_t runtime_batches = 0;  // of packed_batches: the runtime's batched copy
   std::uint64_t staged_chunks = 0;    // pageable chunks through pinned blocks
   std::uint64_t direct_copies = 0;    // one copy or copy_cast kernel per tensor
   std::uint64_t worker_tasks = 0;
@@ -132,6 +133,11 @@ TransferStats transfer_stats();
 
 // Lets go of released holdings whose transfers have completed; returns how many.
 std::size_t poll_transfer_releases();
+
+// How batches of small pinned tensors move: "kernel" (hipferry's batched
+// kernel, the default) or "runtime" (the runtime's batched copy where it has
+// one, else the kernel). "" changes nothing. Returns the setting in effect.
+std::string set_batched_copy(const std::string& mode);
 
 // Blocks until every task queued on the transfer worker so far has run (a
 // trace ends with the host copies it saw start).

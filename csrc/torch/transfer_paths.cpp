@@ -227,6 +227,35 @@ void direct_copy(PathContext& ctx, const CopyItem& it, int device, rt::StreamHan
   ctx.counters.direct_copies += 1;
 }
 
+// One runtime call for a batch of byte copies. False (nothing queued) when a
+// tensor converts or the runtime has no batched copy (remembered).
+bool runtime_batch(PathContext& ctx, const std::vector<CopyItem>& items, const PackedBatch& batch, int device,
+                   rt::StreamHandle stream, bool to_device) {
+  std::vector<void*> dsts;
+  std::vector<const void*> srcs;
+  std::vector<std::size_t> sizes;
+  for (const transfer::PackedSlot& s : batch.slots) {
+    const CopyItem& it = items[s.item];
+    if (it.convert) return false;
+    dsts.push_back(it.dst);
+    srcs.push_back(it.src);
+    sizes.push_back(it.dst_bytes());
+  }
+  tracing::StreamSpan span(device, stream,
+                           tracing::stream_track(device, to_device ? tracing::CopyStream::kToDevice
+                                                                   : tracing::CopyStream::kToHost),
+                           "runtime batched copy (" + std::to_string(dsts.size()) + " tensors)", "copy",
+                           batch.staging_bytes);
+  if (!rt::memcpy_batch_async(dsts.data(), srcs.data(), sizes.data(), dsts.size(), stream)) {
+    ctx.runtime_batch_works->store(false);
+    return false;
+  }
+  span.end();
+  ctx.counters.runtime_batches += 1;
+  ctx.counters.packed_tensors += dsts.size();
+  return true;
+}
+
 // Items whose host side is mapped: small ones by batched kernels (a gather
 // or scatter over mapped memory), large ones by one copy each.
 void run_direct(PathContext& ctx, const std::vector<CopyItem>& items, int device, rt::StreamHandle stream,
@@ -239,6 +268,10 @@ void run_direct(PathContext& ctx, const std::vector<CopyItem>& items, int device
     }
     if (!all_mapped || batch.slots.size() == 1) {  // one tensor: a copy needs no job table
       for (const transfer::PackedSlot& s : batch.slots) direct_copy(ctx, items[s.item], device, stream, to_device);
+      continue;
+    }
+    if (ctx.batched == BatchedCopy::kRuntime && ctx.runtime_batch_works->load() &&
+        runtime_batch(ctx, items, batch, device, stream, to_device)) {
       continue;
     }
     std::vector<gpu::CopyJobSpec> jobs;

@@ -35,14 +35,21 @@ struct CopyItem {
 };
 
 struct Counters {
-  std::atomic<std::uint64_t> transfers{0}, bytes{0}, packed_batches{0}, packed_tensors{0}, staged_chunks{0},
-      direct_copies{0}, worker_tasks{0};
+  std::atomic<std::uint64_t> transfers{0}, bytes{0}, packed_batches{0}, packed_tensors{0}, runtime_batches{0},
+      staged_chunks{0}, direct_copies{0}, worker_tasks{0};
 };
+
+// How a batch of small pinned tensors moves: hipferry's batched kernel (one
+// launch, gathering/scattering through mapped memory; converts too), or the
+// runtime's batched copy (one call, copy engines; byte copies only).
+enum class BatchedCopy { kKernel, kRuntime };
 
 struct PathContext {
   transfer::SerialWorker& worker;
   Counters& counters;
   std::shared_ptr<pool::HostPool> pool;  // staging blocks and job tables
+  BatchedCopy batched = BatchedCopy::kKernel;
+  std::atomic<bool>* runtime_batch_works = nullptr;  // cleared when the runtime says it has none
 };
 
 // What a worker task reports. Tasks never throw into the worker: every waiter

@@ -9,9 +9,9 @@ from .ops import copy_cast_
 from .platform import build_info, device_count, device_info
 from .pool import PinnedPool, configure_default_pool, default_pool, pin
 from .trace import Trace, trace, trace_region
-from .transfer import Transfer, offload, prefetch, transfer_stats
+from .transfer import Transfer, configure_transfers, offload, prefetch, transfer_stats
 
 __all__ = ["copy_cast_", "build_info", "device_count", "device_info", "PinnedPool", "default_pool",
-           "configure_default_pool", "pin", "prefetch", "offload", "Transfer", "transfer_stats", "trace",
-           "trace_region", "Trace", "__version__"]
+           "configure_default_pool", "pin", "prefetch", "offload", "Transfer", "transfer_stats",
+           "configure_transfers", "trace", "trace_region", "Trace", "__version__"]
 __version__ = "0.1.0"

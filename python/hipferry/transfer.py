@@ -5,6 +5,7 @@ module maps the caller's structure (a tensor, or nested lists / tuples / dicts
 of tensors) to a flat list and back, resolves devices and pools, and names the
 offending argument in errors.
 """
+import os
 from typing import Any, Optional, Union
 
 import torch
@@ -100,6 +101,7 @@ def _check_dtype(dtype: Optional[torch.dtype], api: str) -> None:
 
 
 def _start(api: str, start: Any, tensors: Any, *args: Any) -> Transfer:
+    _apply_env()
     leaves, spec = _flatten(tensors, api)
     try:
         native = start(leaves, *args)
@@ -158,7 +160,40 @@ def offload(tensors: Any, *, dtype: Optional[torch.dtype] = None, pool: Optional
 
 
 def transfer_stats() -> dict:
-    """Counters of the transfer engine: transfers, bytes, packed_batches,
-    packed_tensors, staged_chunks, direct_copies, worker_tasks, and
-    pending_releases (holdings waiting for their copy to complete)."""
+    """Counters of the transfer engine: transfers, bytes, packed_batches (of
+    them runtime_batches: the runtime's batched copy), packed_tensors,
+    staged_chunks, direct_copies, worker_tasks, and pending_releases (holdings
+    waiting for their copy to complete)."""
     return _C.transfer_stats()
+
+
+ENV_BATCHED_COPY = "HIPFERRY_BATCHED_COPY"
+_env_applied = False
+
+
+def configure_transfers(*, batched_copy: Optional[str] = None) -> dict:
+    """Engine settings; returns those in effect.
+
+    ``batched_copy``: how a batch of small pinned tensors moves -- ``"kernel"``
+    (default: hipferry's batched kernel through mapped memory, one launch,
+    converts too) or ``"runtime"`` (the runtime's batched copy, one call on the
+    copy engines, for byte copies; used where the runtime has a working one --
+    CUDA 12.8+ -- else the kernel). Also set by ``HIPFERRY_BATCHED_COPY``.
+    """
+    _apply_env()
+    if batched_copy is not None and batched_copy not in ("kernel", "runtime"):
+        raise ValueError(f"hipferry.configure_transfers: batched_copy must be 'kernel' or 'runtime', "
+                         f"got {batched_copy!r}")
+    return {"batched_copy": _C.transfer_batched_copy(batched_copy or "")}
+
+
+def _apply_env() -> None:
+    global _env_applied
+    if _env_applied:
+        return
+    value = os.environ.get(ENV_BATCHED_COPY)
+    if value not in (None, "", "kernel", "runtime"):
+        raise ValueError(f"hipferry: ${ENV_BATCHED_COPY}={value!r}; expected 'kernel' or 'runtime'")
+    _env_applied = True
+    if value:
+        _C.transfer_batched_copy(value)

@@ -60,6 +60,11 @@ __global__ void add_one(int* p) { p[threadIdx.x] += 1; }
   (void)hipMemcpyAsync(p, dp, 16, hipMemcpyDefault, s);
   (void)hipFree(p);
   add_one<<<1, 1, 0, s>>>(static_cast<int*>(p));
+  void* dsts[1] = {p};
+  const void* srcs[1] = {dp};
+  const std::size_t sizes[1] = {16};
+  const hipError_t batch = hipferry_memcpy_batch_async(dsts, srcs, sizes, 1, s);
+  (void)(batch == hipErrorNotSupported);
 }
 
 TEST(Platform, NameIsKnown) {

@@ -162,6 +162,50 @@ TEST_F(GpuRuntime, PageableMemoryHasNoDevicePointerAndLeavesNoError) {
 namespace hipferry {
 namespace {
 
+TEST(Runtime, CpuBuildBatchedCopyCopiesInPlace) {
+  if (rt::build_info().platform != "cpu") GTEST_SKIP() << "GPU build";
+  std::vector<char> a(100, 1), b(7, 2), out_a(100, 0), out_b(7, 0);
+  void* dsts[] = {out_a.data(), out_b.data()};
+  const void* srcs[] = {a.data(), b.data()};
+  const std::size_t sizes[] = {100, 7};
+  EXPECT_TRUE(rt::memcpy_batch_async(dsts, srcs, sizes, 2, nullptr));
+  EXPECT_EQ(out_a, a);
+  EXPECT_EQ(out_b, b);
+}
+
+TEST(GpuRuntimeBatch, BatchedCopyMovesEveryBufferOrSaysItIsUnsupported) {
+  if (rt::device_count() == 0) GTEST_SKIP() << "no GPU device";
+  rt::set_device(0);
+  constexpr int kCopies = 64;
+  const std::size_t bytes = 16 << 10;
+  auto* host = static_cast<unsigned char*>(rt::host_alloc(kCopies * bytes, rt::kHostPortable | rt::kHostMapped));
+  auto* back = static_cast<unsigned char*>(rt::host_alloc(kCopies * bytes, rt::kHostPortable | rt::kHostMapped));
+  auto* dev = static_cast<unsigned char*>(rt::device_alloc(kCopies * bytes, 0));
+  for (std::size_t i = 0; i < kCopies * bytes; ++i) host[i] = static_cast<unsigned char>(i * 7 + 3);
+  std::vector<void*> dsts, back_dsts;
+  std::vector<const void*> srcs, back_srcs;
+  std::vector<std::size_t> sizes(kCopies, bytes);
+  for (int k = 0; k < kCopies; ++k) {  // scattered: the device side in reverse order
+    dsts.push_back(dev + (kCopies - 1 - k) * bytes);
+    srcs.push_back(host + k * bytes);
+    back_dsts.push_back(back + k * bytes);
+    back_srcs.push_back(dev + (kCopies - 1 - k) * bytes);
+  }
+  rt::Stream stream(0);
+  if (!rt::memcpy_batch_async(dsts.data(), srcs.data(), sizes.data(), kCopies, stream.handle())) {
+    rt::host_free(host);
+    rt::host_free(back);
+    rt::device_free(dev, 0);
+    GTEST_SKIP() << "this runtime has no batched copy";
+  }
+  ASSERT_TRUE(rt::memcpy_batch_async(back_dsts.data(), back_srcs.data(), sizes.data(), kCopies, stream.handle()));
+  stream.synchronize();
+  EXPECT_EQ(std::memcmp(host, back, kCopies * bytes), 0);
+  rt::host_free(host);
+  rt::host_free(back);
+  rt::device_free(dev, 0);
+}
+
 TEST(Runtime, CpuBuildDeviceGuardAndStreamSynchronizeAreNoOps) {
   if (rt::build_info().platform != "cpu") GTEST_SKIP() << "GPU build";
   rt::DeviceGuard guard(3);  // no device exists: nothing to switch, nothing to throw

@@ -1,6 +1,9 @@
 """Transfers: bad input gives clear errors and changes nothing; GPU-only checks (mixed devices,
 ordering against kernels still running, side streams, fused bf16)."""
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -147,3 +150,25 @@ def test_gpu_fused_bf16_prefetch_equals_torch():
     want = src.to("cuda", torch.bfloat16)
     assert torch.equal(out.view(torch.int16).cpu(), want.view(torch.int16).cpu())
     check_converted(out, src, torch.bfloat16)
+
+
+def test_configure_transfers_checks_its_argument_and_keeps_the_setting():
+    before = hipferry.configure_transfers()
+    assert before["batched_copy"].startswith(("kernel", "runtime")), before
+    with pytest.raises(ValueError, match="batched_copy must be 'kernel' or 'runtime', got 'dma'"):
+        hipferry.configure_transfers(batched_copy="dma")
+    assert hipferry.configure_transfers() == before
+    try:
+        assert hipferry.configure_transfers(batched_copy="kernel") == {"batched_copy": "kernel"}
+    finally:
+        hipferry.configure_transfers(batched_copy=before["batched_copy"].split(" ")[0])
+
+
+def test_bad_batched_copy_environment_variable_is_a_clear_error():
+    code = "import torch, hipferry\nhipferry.prefetch(torch.ones(4), 'cpu')"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "HIPFERRY_BATCHED_COPY": "fast"})
+    assert r.returncode != 0 and "HIPFERRY_BATCHED_COPY='fast'; expected 'kernel' or 'runtime'" in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, "-c", code + "\nprint(hipferry.configure_transfers())"],
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "HIPFERRY_BATCHED_COPY": "runtime"})
+    assert r.returncode == 0 and "'batched_copy': 'runtime'" in r.stdout, r.stderr

@@ -99,6 +99,33 @@ def test_many_small_tensors(device, pool):
         assert d["packed_tensors"] == 1000 and d["packed_batches"] >= 1, d
 
 
+@requires_gpu
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_many_small_tensors_through_the_runtime_batched_copy(direction, pool):
+    """batched_copy="runtime": one runtime call per batch where the runtime has
+    it (CUDA 12.8+), else the kernel -- the same values either way."""
+    previous = hipferry.configure_transfers()["batched_copy"].split(" ")[0]
+    try:
+        mode = hipferry.configure_transfers(batched_copy="runtime")["batched_copy"]
+        srcs = [torch.full((4096,), float(i)) for i in range(300)]
+        if direction == "prefetch":
+            srcs = [hipferry.pin(t, pool=pool) for t in srcs]
+        else:
+            srcs = [t.cuda() for t in srcs]
+        before = hipferry.transfer_stats()
+        out = start(direction, srcs, "cuda", pool=pool).wait()
+        torch.cuda.synchronize()
+        assert all(torch.equal(o.cpu(), s.cpu()) for o, s in zip(out, srcs))
+        d = stats_delta(before)
+        effective = hipferry.configure_transfers()["batched_copy"]
+        if effective == "runtime":
+            assert d["runtime_batches"] >= 1 and d["packed_tensors"] == 300, d
+        else:
+            assert effective.startswith("kernel") and d["runtime_batches"] == 0, (mode, effective, d)
+    finally:
+        hipferry.configure_transfers(batched_copy=previous)
+
+
 @pytest.mark.parametrize("kind", SOURCES)
 @pytest.mark.parametrize("n", [4096, 10 * MiB], ids=["16KiB", "40MiB"])
 def test_sources_of_every_kind(device, kind, n, pool):

@@ -152,9 +152,30 @@ def _many_small(ctx, dev, rows, step):
     hf_name, torch_name = f"hipferry prefetch(list of {count})", f"torch .to(non_blocking) x {count}"
     cs = {hf_name: lambda: hipferry.prefetch(srcs, dev).wait(),
           torch_name: lambda: [s.to(dev, non_blocking=True, copy=True) for s in srcs]}
+    previous = hipferry.configure_transfers()["batched_copy"].split(" ")[0]
+    if gpu:  # both batched paths: hipferry's kernel (above) and the runtime's batched copy
+        def runtime_batched():
+            hipferry.configure_transfers(batched_copy="runtime")
+            try:
+                return hipferry.prefetch(srcs, dev).wait()
+            finally:
+                hipferry.configure_transfers(batched_copy=previous)
+        hipferry.configure_transfers(batched_copy="kernel")
+        cs[f"hipferry prefetch(list of {count}), runtime batched copy"] = runtime_batched
     _check(cs, refs, gpu)
     clock = _Clock(gpu)
-    best = clock.race(cs, 3 if ctx.quick else max(ctx.repeats, 5))
+    try:
+        best = clock.race(cs, 3 if ctx.quick else max(ctx.repeats, 5))
+    finally:
+        hipferry.configure_transfers(batched_copy=previous)
+    if gpu:  # say so when the runtime had no batched copy and the kernel ran instead
+        effective = hipferry.configure_transfers(batched_copy="runtime")["batched_copy"]
+        hipferry.configure_transfers(batched_copy=previous)
+        if effective != "runtime":
+            best = {(k + " [unavailable: ran the kernel]" if k.endswith("runtime batched copy") else k): v
+                    for k, v in best.items()}
+            clock.wall = {(k + " [unavailable: ran the kernel]" if k.endswith("runtime batched copy") else k): v
+                          for k, v in clock.wall.items()}
     for name, secs in best.items():
         speedup = best[torch_name] / secs
         rows.append(_row("many_small", "h2d", 16 * KiB * count, name, secs, clock.wall[name],
