@@ -1,4 +1,4 @@
-"""python -m hipferry {doctor,bench} — see README."""
+"""python -m hipferry {doctor,bench,timeline} — see README."""
 import argparse
 import sys
 
@@ -17,7 +17,13 @@ def main(argv=None) -> int:
     bench.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                        help="auto: add GPU cases when a GPU is visible")
     bench.add_argument("--list", action="store_true", help="list suites and exit")
+    tl = sub.add_parser("timeline", help="draw a trace saved by hipferry.trace(path) as a PNG")
+    tl.add_argument("trace", help="Chrome/Perfetto trace JSON written by hipferry.trace()")
+    tl.add_argument("--out", default=None, help="PNG path (default: the trace's path with .png)")
     args = parser.parse_args(argv)
+
+    if args.command == "timeline":
+        return _timeline(parser, args)
 
     if args.command == "doctor":
         from . import doctor
@@ -43,6 +49,22 @@ def main(argv=None) -> int:
         bench_mod.run(args.suites, args.out, ctx)
     except ValueError as e:
         parser.error(str(e))
+    return 0
+
+
+def _timeline(parser, args) -> int:
+    import json
+    import os
+    from .bench.timeline import events_from_chrome_json, write_timeline_png
+    try:
+        with open(args.trace) as f:
+            events = events_from_chrome_json(json.load(f))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        parser.error(f"timeline: cannot read {args.trace}: {e}")
+    out = args.out or os.path.splitext(args.trace)[0] + ".png"
+    if not write_timeline_png(out, events, os.path.basename(args.trace)):
+        return 1
+    print(f"wrote {out} ({len(events)} events)")
     return 0
 
 

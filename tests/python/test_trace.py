@@ -3,6 +3,8 @@ offload (spec: docs/transfer-engine-plan.md, "Trace") and the Chrome /
 Perfetto JSON they are saved as. Run on the CPU worker, and on a GPU when one
 is present."""
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -185,3 +187,24 @@ def test_copy_cast_is_traced_on_the_cpu():
     with hipferry.trace() as tr:
         hipferry.copy_cast_(dst, src)
     assert [(e["name"], e["track"], e["bytes"]) for e in tr.events] == [("copy_cast_", "caller thread", 2000)]
+
+
+def test_timeline_command_draws_a_saved_trace(tmp_path):
+    path = tmp_path / "t.json"
+    traced_work("cpu", str(path))
+    r = subprocess.run([sys.executable, "-m", "hipferry", "timeline", str(path)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from hipferry.bench.timeline import events_from_chrome_json
+    events = events_from_chrome_json(json.loads(path.read_text()))
+    assert {e["track"] for e in events} >= {"user"} and any(e["name"] == "forward" for e in events)
+    assert all(e["end_ns"] >= e["start_ns"] for e in events)
+
+
+def test_timeline_command_rejects_what_is_not_a_trace(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"events": []}')
+    r = subprocess.run([sys.executable, "-m", "hipferry", "timeline", str(bad)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "not a Chrome trace" in r.stderr, r.stderr

@@ -60,3 +60,23 @@ def write_timeline_png(path: str, events: Iterable[dict], title: str = "") -> bo
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def events_from_chrome_json(doc: dict) -> List[dict]:
+    """The events of a trace saved by `hipferry.trace(path)` (Chrome trace
+    JSON: "X" events, tracks named by "thread_name" metadata), as the dicts
+    `write_timeline_png` takes. Raises ValueError for JSON that is not one."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
+        raise ValueError("not a Chrome trace: expected an object with a 'traceEvents' list")
+    names = {e.get("tid"): e.get("args", {}).get("name") for e in doc["traceEvents"]
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    events = []
+    for e in doc["traceEvents"]:
+        if e.get("ph") != "X":
+            continue
+        start = int(round(float(e["ts"]) * 1e3))
+        events.append({"name": e.get("name", ""), "category": e.get("cat", ""),
+                       "track": names.get(e.get("tid")) or f"track {e.get('tid')}", "start_ns": start,
+                       "end_ns": start + int(round(float(e.get("dur", 0)) * 1e3)),
+                       "bytes": int(e.get("args", {}).get("bytes", 0))})
+    return events
