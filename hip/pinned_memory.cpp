@@ -127,6 +127,9 @@ void RuntimeEventSource::give_back(std::unique_ptr<rt::Event> event, int device)
 }
 
 std::unique_ptr<pool::UseEvent> RuntimeEventSource::record(const pool::StreamUse& use) {
+  // Whoever frees a block records: its current device may not be the stream's
+  // (and a nullptr stream means the current device's default stream).
+  rt::DeviceGuard guard(use.device);
   auto event = take(use.device);
   if (!event) event = std::make_unique<rt::Event>(use.device, /*timing=*/false);
   event->record(use.stream);

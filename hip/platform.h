@@ -95,9 +95,13 @@ using hipEvent_t = cudaEvent_t;
 
 #define hipErrorNotSupported cudaErrorNotSupported
 
+#define hipErrorNotSupported cudaErrorNotSupported
+
 // Many copies in one runtime call: cudaMemcpyBatchAsync (CUDA 12.8+; 13.0
-// dropped its failIdx argument). Each copy may start as soon as the stream
-// reaches the batch (sources are stable from then on).
+// made its pointers const and dropped the failIdx argument). Each copy may
+// start as soon as the stream reaches the batch. Errors that mean "not here"
+// (no such call in this driver, attributes it rejects) come back as
+// hipErrorNotSupported: the call validates before queuing anything.
 inline hipError_t hipferry_memcpy_batch_async(void* const* dsts, const void* const* srcs, const size_t* sizes,
                                               size_t count, hipStream_t stream) {
 #if CUDART_VERSION >= 12080
@@ -113,7 +117,7 @@ inline hipError_t hipferry_memcpy_batch_async(void* const* dsts, const void* con
                                                const_cast<size_t*>(sizes), count, &attr, &attr_index, 1,
                                                &fail_index, stream);
 #endif
-  if (err == cudaErrorCallRequiresNewerDriver) {  // a runtime newer than the driver: not available here
+  if (err == cudaErrorCallRequiresNewerDriver || err == cudaErrorInvalidValue || err == cudaErrorNotSupported) {
     (void)cudaGetLastError();
     return cudaErrorNotSupported;
   }

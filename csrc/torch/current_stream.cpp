@@ -18,4 +18,11 @@ rt::StreamHandle current_torch_stream(int device) {
   return stream.native_handle();
 }
 
+void record_on_current_stream(const at::Tensor& t, int device) {
+  c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
+  const c10::Stream stream =
+      impl.getStream(c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)));
+  impl.recordDataPtrOnStream(t.storage().data_ptr(), stream);
+}
+
 }  // namespace hipferry

@@ -3,11 +3,16 @@
 // torch call their device "cuda" too, so DeviceType::CUDA is right for both.
 #pragma once
 
+#include <ATen/core/Tensor.h>
+
 #include "runtime.h"
 
 namespace hipferry {
 
 int current_torch_device();                           // torch.cuda.current_device()
 rt::StreamHandle current_torch_stream(int device);   // torch.cuda.current_stream(device)
+// t.record_stream(torch.cuda.current_stream(device)) for a device tensor: torch's
+// allocator then reuses its memory only after the current stream's work so far.
+void record_on_current_stream(const at::Tensor& t, int device);
 
 }  // namespace hipferry

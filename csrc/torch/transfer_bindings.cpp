@@ -88,12 +88,13 @@ void bind_transfers(py::module_& m) {
   m.def("start_prefetch",
         [](std::vector<at::Tensor> sources, c10::Device device, std::optional<at::ScalarType> dtype,
            std::int64_t pool) { return start(TransferKind::kPrefetch, std::move(sources), device, dtype, pool); },
-        py::arg("sources"), py::arg("device"), py::arg("dtype"), py::arg("pool"));
+        py::arg("sources"), py::arg("device"), py::arg("dtype"), py::arg("pool"),
+        py::call_guard<py::gil_scoped_release>());  // may wait: pool capacity, a producer event
   m.def("start_offload",
         [](std::vector<at::Tensor> sources, std::optional<at::ScalarType> dtype, std::int64_t pool) {
           return start(TransferKind::kOffload, std::move(sources), c10::Device(c10::kCPU), dtype, pool);
         },
-        py::arg("sources"), py::arg("dtype"), py::arg("pool"));
+        py::arg("sources"), py::arg("dtype"), py::arg("pool"), py::call_guard<py::gil_scoped_release>());
   m.def("transfer_stats", [] {
     const TransferStats s = transfer_stats();
     py::dict d;
@@ -109,6 +110,8 @@ void bind_transfers(py::module_& m) {
     return d;
   });
   m.def("poll_transfer_releases", &poll_transfer_releases);
+  m.def("transfer_drain", &drain_transfer_worker, "Waits for every queued host copy.",
+        py::call_guard<py::gil_scoped_release>());
   m.def("transfer_batched_copy", [](const std::string& mode) { return translate_errors([&] {
           return set_batched_copy(mode); }); }, py::arg("mode") = "");
   m.def("transfer_worker_sleep", [](double ms) { translate_errors([&] { transfer_worker_sleep(ms); }); },

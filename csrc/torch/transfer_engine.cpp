@@ -23,6 +23,8 @@
 namespace hipferry {
 namespace {
 
+std::atomic<std::uint64_t> forks{0};  // forks since the engine was first used (see fork_generation)
+
 // Holdings let go of once their transfer has completed.
 struct Holding {
   Completion completion;
@@ -36,7 +38,12 @@ class Engine {
   // (a DataLoader worker) has no worker thread: it gets an engine of its own.
   static Engine& get() {
     static std::once_flag once;
-    std::call_once(once, [] { pthread_atfork(nullptr, nullptr, [] { instance = nullptr; }); });
+    std::call_once(once, [] {
+      pthread_atfork(nullptr, nullptr, [] {
+        instance = nullptr;
+        forks.fetch_add(1);
+      });
+    });
     Engine* e = instance.load(std::memory_order_acquire);
     if (e != nullptr) return *e;
     std::lock_guard<std::mutex> lock(creation_mutex);
@@ -76,7 +83,12 @@ class Engine {
 
   void release_after(const Completion& completion, std::vector<at::Tensor> tensors) {
     if (tensors.empty()) return;
-    if (completion.done()) return;  // tensors die here
+    bool done = false;
+    try {
+      done = completion.done();
+    } catch (...) {  // the runtime cannot say: keep holding (a leak, never a use after free)
+    }
+    if (done) return;  // tensors die here
     std::lock_guard<std::mutex> lock(mutex_);
     releases_.push_back(Holding{completion, std::move(tensors)});
   }
@@ -163,6 +175,8 @@ engine::CopyItem item_of(const at::Tensor& src, const at::Tensor& dst) {
 
 }  // namespace
 
+std::uint64_t fork_generation() { return forks.load(); }
+
 bool Completion::done() const {
   if (ticket != 0 && !Engine::get().worker().reached(ticket)) return false;
   return !event || event->query();
@@ -172,14 +186,25 @@ Transfer::~Transfer() {
   if (state_ != State::kPending) return;
   std::vector<at::Tensor> holdings = std::move(keepalive_);
   for (auto& t : results_) holdings.push_back(std::move(t));
+  if (generation_ != fork_generation()) {  // a parent's transfer in a forked child: nothing ran here
+    new std::vector<at::Tensor>(std::move(holdings));  // never touched again: no deleter runs in the child
+    return;
+  }
   try {
     if (outcome_ && outcome_->failed()) {
       sync_streams_quietly();
     } else {
       Engine::get().release_after(completion_, std::move(holdings));
     }
-  } catch (...) {  // a destructor must not throw; the holdings then die with the handle
+  } catch (...) {  // a destructor must not throw; keep the holdings (a leak, never a use after free)
+    new std::vector<at::Tensor>(std::move(holdings));
   }
+}
+
+void Transfer::check_same_process(const char* what) const {
+  TORCH_CHECK(generation_ == fork_generation(), "hipferry.Transfer.", what,
+              ": this transfer was started before the process forked; it did not run in this process "
+              "(start transfers in the process that uses them)");
 }
 
 void Transfer::sync_streams_quietly() const {
@@ -205,6 +230,7 @@ void Transfer::settle_locked(std::vector<at::Tensor>& dropped) {
 }
 
 bool Transfer::ready() {
+  check_same_process("ready");
   Engine::get().poll();
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -214,6 +240,7 @@ bool Transfer::ready() {
 }
 
 void Transfer::synchronize() {
+  check_same_process("synchronize");
   if (completion_.ticket != 0) Engine::get().worker().wait(completion_.ticket);
   std::vector<at::Tensor> dropped;
   std::string error;
@@ -229,6 +256,7 @@ void Transfer::synchronize() {
 }
 
 std::vector<at::Tensor> Transfer::wait() {
+  check_same_process("wait");
   {
     std::lock_guard<std::mutex> lock(mutex_);
     TORCH_CHECK(state_ != State::kWaited,
@@ -249,7 +277,7 @@ std::vector<at::Tensor> Transfer::wait() {
     if (state_ == State::kFailed) {
       error = error_;
     } else {
-      state_ = State::kWaited;
+      state_ = State::kWaited;  // claimed: a racing wait() gets "already waited"
       results = std::move(results_);
       holdings = std::move(keepalive_);
     }
@@ -259,18 +287,30 @@ std::vector<at::Tensor> Transfer::wait() {
     holdings.clear();
     TORCH_CHECK(false, "hipferry.Transfer.wait: the copy failed, its results were discarded: ", error);
   }
-  if (completion_.event && device_.is_cuda()) {
-    // The consumer is the current stream: it waits, the host does not. The
-    // stream the results were allocated on waits too, so torch's allocator
-    // never hands their memory to work that could run before the copy.
-    rt::DeviceGuard guard(copy_device_);  // a nullptr (default) stream means the current device's
-    const rt::StreamHandle current = current_torch_stream(copy_device_);
-    completion_.event->block_stream(current);
-    if (alloc_stream_ != current) completion_.event->block_stream(alloc_stream_);
-    Engine::get().release_after(completion_, std::move(holdings));
-  } else if (completion_.event) {
-    completion_.event->synchronize();  // the consumer is the host
+  try {
+    if (completion_.event && device_.is_cuda()) {
+      // The consumer is the current stream: it waits, the host does not.
+      rt::DeviceGuard guard(copy_device_);  // a nullptr (default) stream means the current device's
+      const rt::StreamHandle current = current_torch_stream(copy_device_);
+      completion_.event->block_stream(current);
+      if (alloc_stream_ != current) {
+        // Results were allocated on the stream current at prefetch(); used
+        // on this one, torch's allocator must also wait for this stream's
+        // work before reusing them (what t.record_stream(current) does).
+        completion_.event->block_stream(alloc_stream_);
+        for (const at::Tensor& t : results) record_on_current_stream(t, copy_device_);
+      }
+    } else if (completion_.event) {
+      completion_.event->synchronize();  // the consumer is the host
+    }
+  } catch (...) {  // nothing handed over: the handle keeps everything, wait() may be called again
+    std::lock_guard<std::mutex> lock(mutex_);
+    results_ = std::move(results);
+    keepalive_ = std::move(holdings);
+    state_ = State::kPending;
+    throw;
   }
+  if (device_.is_cuda()) Engine::get().release_after(completion_, std::move(holdings));
   holdings.clear();
   Engine::get().poll();
   return results;
@@ -327,6 +367,7 @@ std::shared_ptr<Transfer> start_transfer(TransferRequest r) {
   TORCH_CHECK(!pool->closed(), api, ": the pool is closed; expected an open PinnedPool");
 
   auto handle = std::make_shared<Transfer>();
+  handle->generation_ = fork_generation();
   handle->device_ = prefetch ? where : c10::Device(c10::kCPU);
   handle->results_count_ = r.sources.size();
 

@@ -97,8 +97,10 @@ class Transfer {
   // moving what it held into `dropped` (the caller lets go of it unlocked).
   void settle_locked(std::vector<at::Tensor>& dropped);
   void sync_streams_quietly() const;  // after a failure, before letting go of anything
+  void check_same_process(const char* what) const;  // throws in a forked child
 
   // Set by start_transfer, then read-only:
+  std::uint64_t generation_ = 0;  // fork_generation() when started
   Completion completion_;
   std::shared_ptr<engine::TaskOutcome> outcome_;  // the worker part's error, if any
   int copy_device_ = -1;                      // GPU of the copy, -1 for the host path
@@ -117,6 +119,11 @@ class Transfer {
 };
 
 std::shared_ptr<Transfer> start_transfer(TransferRequest request);
+
+// Counts the forks between the first process that used the engine and this
+// one: a forked child gets an engine of its own, and the parent's transfers
+// (which did not run in the child) refuse to be used there.
+std::uint64_t fork_generation();
 
 struct TransferStats {
   std::uint64_t transfers = 0;

@@ -5,7 +5,9 @@ module maps the caller's structure (a tensor, or nested lists / tuples / dicts
 of tensors) to a flat list and back, resolves devices and pools, and names the
 offending argument in errors.
 """
+import atexit
 import os
+import re
 from typing import Any, Optional, Union
 
 import torch
@@ -113,9 +115,8 @@ def _start(api: str, start: Any, tensors: Any, *args: Any) -> Transfer:
 
 def _rename_positions(message: str, tensors: Any) -> str:
     paths = ["tensors" + pytree.keystr(p) for p, _ in pytree.tree_flatten_with_path(tensors)[0]]
-    for i in reversed(range(len(paths))):
-        message = message.replace(f"tensors[{i}]", paths[i])
-    return message
+    # One pass: a replacement must not be rewritten by a later one.
+    return re.sub(r"tensors\[(\d+)\]", lambda m: paths[int(m[1])] if int(m[1]) < len(paths) else m[0], message)
 
 
 def prefetch(tensors: Any, device: Device, *, dtype: Optional[torch.dtype] = None,
@@ -197,3 +198,8 @@ def _apply_env() -> None:
     _env_applied = True
     if value:
         _C.transfer_batched_copy(value)
+
+
+# A copy still queued at exit finishes before the interpreter (and the
+# runtime under it) is torn down.
+atexit.register(_C.transfer_drain)

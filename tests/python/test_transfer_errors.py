@@ -52,6 +52,13 @@ def test_non_tensor_leaf_names_its_place(direction):
     check_rejected(lambda: start(direction, "weights", "cpu"), TypeError, [r"[Tt]ensor"], [])
 
 
+def test_error_names_the_right_place_in_a_nested_structure():
+    good, bad = torch.ones(2), torch.ones(2).to_sparse()
+    with pytest.raises(ValueError) as e:
+        hipferry.prefetch([[good, good], [good, bad]], "cpu")
+    assert "tensors[1][1] has layout" in str(e.value), str(e.value)
+
+
 def test_sparse_rejected(direction):
     dense = torch.eye(3)
     check_rejected(lambda: start(direction, [dense, dense.to_sparse()], "cpu"), ValueError,

@@ -154,3 +154,31 @@ def test_no_leak_over_many_iterations(device):
             assert s["allocated_bytes"] == start_stats["allocated_bytes"], f"half {half}: {s}"
             assert s["waiting_blocks"] == 0 and s["reserved_bytes"] <= 64 * MiB
             p.check_invariants()
+
+
+def test_forked_child_refuses_the_parents_transfer_and_copies_on_its_own():
+    r = run_python("cpu", """
+        import os
+        import numpy as np
+        src = torch.arange(1 << 20, dtype=torch.float32)  # 4 MiB: a worker task
+        src1 = src + 1  # before the fork: torch's OpenMP pool does not survive one (libgomp)
+        hipferry._C.transfer_worker_sleep(300)
+        inherited = hipferry.prefetch(src, "cpu")
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                inherited.wait()
+                code = 3
+            except RuntimeError as e:
+                code = 0 if "started before the process forked" in str(e) else 4
+            if code == 0:
+                mine = hipferry.prefetch(src1, "cpu").wait()  # the child's own engine and worker
+                code = 0 if np.array_equal(mine.numpy(), src1.numpy()) else 5
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        print("child", os.WEXITSTATUS(status), flush=True)
+        print("parent", torch.equal(inherited.wait(), src), flush=True)
+    """)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["child", "0", "parent", "True"], r.stdout
