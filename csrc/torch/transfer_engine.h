@@ -4,33 +4,44 @@
 // Note [hipferry transfer engine]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // Where the work runs:
-//   * per GPU, one host->device and one device->host copy stream (both
-//     directions overlap compute and each other). A transfer's stream first
-//     waits for an event recorded on the caller's current stream, so the copy
-//     is ordered after the work that produced the source;
+//   * per GPU, a host->device and a device->host copy stream (both directions
+//     overlap compute and each other), and a staging stream that only the
+//     worker uses (so its copies never queue behind later transfers' waits).
+//     Every transfer's streams first wait for an event recorded on the
+//     caller's current stream: the copy is ordered after the work that
+//     produced the sources (and after earlier uses of the memory it writes,
+//     which is allocated before that event);
 //   * one serial worker thread for host-side work: packing pageable tensors
 //     into pinned staging blocks and staging large pageable tensors through a
 //     small ring of pool blocks (the caller never waits for a host memcpy), and
-//     the whole copy when the destination is the CPU (CPU-only build).
+//     host->host copies (device "cpu", the CPU-only build) above 256 KiB;
+//     smaller ones are done on the calling thread at once.
 // What runs where (see transfer_paths.cpp):
-//   host->device  small pinned tensors: one gather/scatter kernel reading mapped memory;
+//   host->device  small pinned tensors: one gather/scatter kernel reading mapped memory
+//                 (or the runtime's batched copy, when configured and available);
 //                 small pageable: worker packs into one pool block, one copy, one scatter kernel;
 //                 large pinned: one async copy (or one copy_cast kernel when converting);
 //                 large pageable: worker stages chunks through a ring of pool blocks.
 //   device->host  small: one kernel writing every destination's mapped address;
 //                 large: one async copy (or one copy_cast kernel) per tensor.
-// Invariants (design principle 4, stream-ordered lifetimes, no record_stream):
+// Invariants (design principle 4, stream-ordered lifetimes, no record_stream
+// for our own memory):
 //   * a transfer is complete when its worker ticket has run AND its completion
-//     event has passed; the event is recorded after all of its stream work;
+//     event has passed; the event is recorded after all of its stream work,
+//     by the worker when the worker is involved (also after a failure);
 //   * sources, device scratch and (until .wait()) results are held by the
 //     handle; a handle dropped or waited on hands what it holds to the engine's
 //     release list, which lets go of it only once the completion is observed
-//     by the host -- never guessed from stream order;
+//     by the host -- never guessed from stream order; after a failure the
+//     streams are synchronized first; when the runtime cannot answer, the
+//     holdings are kept (a leak, never a use after free);
 //   * pool blocks used by a copy go back through HostPool::record_use, so the
 //     pool reuses them only after the copy;
 //   * the worker never owns an at::Tensor (dropping one may need the GIL that
-//     a waiting caller holds); it sees raw pointers that the handle keeps valid;
-//   * no lock is held across a runtime call or a worker wait.
+//     a waiting caller holds); it sees raw pointers that the handle keeps
+//     valid, and reports errors through a TaskOutcome every waiter reads;
+//   * no lock is held across a runtime call, a worker wait, or while tensors
+//     die; the Python bindings release the GIL around every call.
 #pragma once
 
 #include <ATen/core/Tensor.h>
