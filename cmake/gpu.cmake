@@ -102,6 +102,8 @@ if(HIPFERRY_RESOLVED_TARGET STREQUAL "cuda")
     target_link_libraries(${target} PUBLIC CUDA::cudart)
     target_compile_definitions(${target} PRIVATE HIPFERRY_PLATFORM_CUDA=1)
     set_target_properties(${target} PROPERTIES CUDA_ARCHITECTURES "${CMAKE_CUDA_ARCHITECTURES}")
+    # No contraction of a*b+c into an FMA (see CMakeLists.txt): same rounding as the CPU loop.
+    target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:--fmad=false>)
   endfunction()
 elseif(HIPFERRY_RESOLVED_TARGET STREQUAL "cpu")
   set(HIPFERRY_GPU_ARCHITECTURES "")

@@ -81,6 +81,7 @@ py::dict check_host_memory(int device, std::size_t bytes, unsigned flags, bool u
 namespace hipferry {
 void bind_pinned_pool(py::module_& m);  // pool_bindings.cpp
 void bind_transfers(py::module_& m);    // transfer_bindings.cpp
+void bind_adamw(py::module_& m);        // adamw_step.cpp
 }
 
 PYBIND11_MODULE(_C, m) {
@@ -93,4 +94,5 @@ PYBIND11_MODULE(_C, m) {
         py::arg("flags"), py::arg("use_register") = false);
   bind_pinned_pool(m);
   bind_transfers(m);
+  bind_adamw(m);
 }

@@ -8,6 +8,7 @@
 #include <optional>
 #include <stdexcept>
 
+#include "torch/python_errors.h"
 #include "torch/trace_session.h"
 #include "torch/transfer_engine.h"
 
@@ -15,24 +16,6 @@ namespace py = pybind11;
 
 namespace hipferry {
 namespace {
-
-// c10 errors as the Python exceptions torch itself raises for them.
-template <class F>
-auto translate_errors(F&& f) -> decltype(f()) {
-  try {
-    return f();
-  } catch (const c10::OutOfMemoryError& e) {
-    py::gil_scoped_acquire gil;
-    PyErr_SetString(py::module_::import("torch").attr("OutOfMemoryError").ptr(), e.what_without_backtrace());
-    throw py::error_already_set();
-  } catch (const c10::ValueError& e) {
-    throw py::value_error(e.what_without_backtrace());
-  } catch (const c10::TypeError& e) {
-    throw py::type_error(e.what_without_backtrace());
-  } catch (const c10::Error& e) {
-    throw std::runtime_error(e.what_without_backtrace());
-  }
-}
 
 std::shared_ptr<Transfer> start(TransferKind kind, std::vector<at::Tensor> sources, c10::Device device,
                                 std::optional<at::ScalarType> dtype, std::int64_t pool_id) {

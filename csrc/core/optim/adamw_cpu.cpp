@@ -1,0 +1,58 @@
+#include "optim/adamw_cpu.h"
+
+#include "dispatch.h"
+
+// As in copy_cast_cpu.cpp: an x86-64-v3 (AVX2 + FMA) clone chosen by the
+// loader, so the fmaf of the update is one instruction where the CPU has it.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(HIPFERRY_NO_F16C)
+#define HIPFERRY_ADAMW_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define HIPFERRY_ADAMW_CLONES
+#endif
+
+namespace hipferry::optim {
+namespace {
+
+template <class Grad, class Out, bool kAmsgrad, bool kWriteOut>
+HIPFERRY_ADAMW_CLONES void adamw_loop(const AdamWArrays& a, const AdamWScalars& s, std::int64_t begin,
+                                      std::int64_t end) {
+  float* __restrict param = a.param;
+  const auto* __restrict grad = static_cast<const typename Grad::storage*>(a.grad);
+  float* __restrict m = a.exp_avg;
+  float* __restrict v = a.exp_avg_sq;
+  float* __restrict max_v = a.max_exp_avg_sq;
+  auto* __restrict out = static_cast<typename Out::storage*>(a.param_out);
+#pragma omp simd
+  for (std::int64_t i = begin; i < end; ++i) {
+    float p = param[i], mi = m[i], vi = v[i];
+    float mx = kAmsgrad ? max_v[i] : 0.0f;
+    adamw_update(p, to_f32<Grad>(grad[i]), mi, vi, mx, s);
+    param[i] = p;
+    m[i] = mi;
+    v[i] = vi;
+    if constexpr (kAmsgrad) max_v[i] = mx;
+    if constexpr (kWriteOut) out[i] = from_f32<Out>(p);
+  }
+}
+
+template <class Grad, class Out>
+void adamw_pick(const AdamWArrays& a, const AdamWScalars& s, std::int64_t begin, std::int64_t end) {
+  const bool out = a.param_out != nullptr;
+  if (s.amsgrad) {
+    out ? adamw_loop<Grad, Out, true, true>(a, s, begin, end) : adamw_loop<Grad, Out, true, false>(a, s, begin, end);
+  } else {
+    out ? adamw_loop<Grad, Out, false, true>(a, s, begin, end)
+        : adamw_loop<Grad, Out, false, false>(a, s, begin, end);
+  }
+}
+
+}  // namespace
+
+void adamw_cpu(const AdamWArrays& a, const AdamWScalars& s, std::int64_t begin, std::int64_t end) {
+  if (begin >= end) return;
+  dispatch_element_pair(a.grad_type, a.out_type, [&](auto grad_tag, auto out_tag) {
+    adamw_pick<decltype(grad_tag), decltype(out_tag)>(a, s, begin, end);
+  });
+}
+
+}  // namespace hipferry::optim

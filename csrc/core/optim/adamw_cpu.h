@@ -1,0 +1,28 @@
+// The AdamW step on the CPU over raw pointers (torch-free; the ATen layer
+// splits a tensor's elements over threads, GoogleTest calls it directly).
+#pragma once
+
+#include <cstdint>
+
+#include "element_type.h"
+#include "optim/adamw_update.h"
+
+namespace hipferry::optim {
+
+// One parameter's flat state, element 0 of each array.
+struct AdamWArrays {
+  float* param = nullptr;           // float32 parameter or master copy, updated in place
+  const void* grad = nullptr;       // the gradient, in grad_type
+  ElementType grad_type = ElementType::kFloat32;
+  float* exp_avg = nullptr;
+  float* exp_avg_sq = nullptr;
+  float* max_exp_avg_sq = nullptr;  // amsgrad only (else unused, may be nullptr)
+  void* param_out = nullptr;        // also write the updated value here in out_type (nullptr: don't)
+  ElementType out_type = ElementType::kBFloat16;
+};
+
+// Updates elements [begin, end). Vectorized; an AVX2+FMA clone is picked at
+// run time where the CPU has it.
+void adamw_cpu(const AdamWArrays& a, const AdamWScalars& s, std::int64_t begin, std::int64_t end);
+
+}  // namespace hipferry::optim
