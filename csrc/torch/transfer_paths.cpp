@@ -48,6 +48,11 @@ void host_copy_parallel(const CopyItem& it, std::int64_t first, std::int64_t n, 
   });
 }
 
+// The trace track of hipferry's copy stream in one direction.
+std::string copy_track(int device, bool to_device) {
+  return tracing::stream_track(device, to_device ? tracing::CopyStream::kToDevice : tracing::CopyStream::kToHost);
+}
+
 char* byte_offset(void* p, std::size_t bytes) { return static_cast<char*>(p) + bytes; }
 const char* byte_offset(const void* p, std::size_t bytes) { return static_cast<const char*>(p) + bytes; }
 
@@ -212,9 +217,7 @@ void stage_chunks(PathContext& ctx, const StagedJob& job, int device, rt::Stream
 
 // One copy (or one copy_cast kernel) for a whole large item.
 void direct_copy(PathContext& ctx, const CopyItem& it, int device, rt::StreamHandle stream, bool to_device) {
-  tracing::StreamSpan span(device, stream,
-                           tracing::stream_track(device, to_device ? tracing::CopyStream::kToDevice
-                                                                   : tracing::CopyStream::kToHost),
+  tracing::StreamSpan span(device, stream, copy_track(device, to_device),
                            it.convert ? "copy_cast" : "copy", it.convert ? "kernel" : "copy", it.dst_bytes());
   if (it.convert) {
     const void* src = to_device ? it.src_mapped : it.src;
@@ -241,9 +244,7 @@ bool runtime_batch(PathContext& ctx, const std::vector<CopyItem>& items, const P
     srcs.push_back(it.src);
     sizes.push_back(it.dst_bytes());
   }
-  tracing::StreamSpan span(device, stream,
-                           tracing::stream_track(device, to_device ? tracing::CopyStream::kToDevice
-                                                                   : tracing::CopyStream::kToHost),
+  tracing::StreamSpan span(device, stream, copy_track(device, to_device),
                            "runtime batched copy (" + std::to_string(dsts.size()) + " tensors)", "copy",
                            batch.staging_bytes);
   if (!rt::memcpy_batch_async(dsts.data(), srcs.data(), sizes.data(), dsts.size(), stream)) {
@@ -279,8 +280,7 @@ void run_direct(PathContext& ctx, const std::vector<CopyItem>& items, int device
       const CopyItem& it = items[s.item];
       jobs.push_back(job_of(it, to_device ? it.src_mapped : it.src, to_device ? it.dst : it.dst_mapped));
     }
-    const auto track = tracing::stream_track(device, to_device ? tracing::CopyStream::kToDevice
-                                                               : tracing::CopyStream::kToHost);
+    const auto track = copy_track(device, to_device);
     if (!launch_jobs(ctx, jobs, device, stream, track, batch.staging_bytes)) {
       for (const transfer::PackedSlot& s : batch.slots) direct_copy(ctx, items[s.item], device, stream, to_device);
     }

@@ -52,6 +52,16 @@ def best_of_interleaved(contenders: Dict[str, Callable[[], float]], repeats: int
     return best
 
 
+def sizes_by_four(ctx: Context) -> List[int]:
+    """4 KiB, 16 KiB, ... up to ctx.max_bytes (default 4 MiB quick, 1 GiB full)."""
+    top = ctx.max_bytes or ((4 << 20) if ctx.quick else (1 << 30))
+    s, out = 4 << 10, []
+    while s <= top:
+        out.append(s)
+        s *= 4
+    return out
+
+
 def wall_timer(fn: Callable[[], None]) -> Callable[[], float]:
     def timed() -> float:
         t0 = time.perf_counter()

@@ -10,7 +10,7 @@ Bandwidth counts source bytes (what crosses the link / is read).
 """
 import torch
 
-from . import Context, SuiteResult, best_of_interleaved, gpu_timer, suite, wall_timer
+from . import Context, SuiteResult, best_of_interleaved, gpu_timer, sizes_by_four, suite, wall_timer
 from ..ops import copy_cast_
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -28,15 +28,6 @@ def _add_rows(rows, direction, src_dt, dst_dt, nbytes, best, baseline, calls=1):
         rows.append({"direction": direction, "pair": _pair_name(src_dt, dst_dt), "bytes": nbytes,
                      "contender": contender, "seconds": secs / calls, "GBps": nbytes * calls / secs / 1e9,
                      "baseline": baseline, "speedup_vs_baseline": best[baseline] / secs})
-
-
-def _sizes(ctx: Context):
-    top = ctx.max_bytes or (4 * MiB if ctx.quick else 1 * GiB)
-    s, out = 4 * KiB, []
-    while s <= top:
-        out.append(s)
-        s *= 4
-    return out
 
 
 def _repeats(ctx: Context, nbytes: int) -> int:
@@ -109,7 +100,7 @@ def _gpu_cases(ctx, name, sizes, rows):
 @suite("copy_cast")
 def copy_cast_suite(ctx: Context) -> SuiteResult:
     rows = []
-    sizes = _sizes(ctx)
+    sizes = sizes_by_four(ctx)
     _cpu_cases(ctx, "copy_cast", sizes, rows)
     if ctx.device == "cuda":
         _gpu_cases(ctx, "copy_cast", sizes, rows)

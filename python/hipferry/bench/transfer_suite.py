@@ -29,7 +29,7 @@ import torch
 
 import hipferry
 
-from . import Context, SuiteResult, best_of_interleaved, suite
+from . import Context, SuiteResult, best_of_interleaved, sizes_by_four, suite
 from .timeline import write_timeline_png
 
 NAME = "transfer"
@@ -78,15 +78,6 @@ def _check(contenders, ref, gpu):
             f"{NAME}: {name} produced wrong values"
 
 
-def _sizes(ctx: Context):
-    top = ctx.max_bytes or (4 * MiB if ctx.quick else 1 * GiB)
-    s, out = 4 * KiB, []
-    while s <= top:
-        out.append(s)
-        s *= 4
-    return out
-
-
 def _repeats(ctx: Context, nbytes: int) -> int:
     base = 5 if ctx.quick else (ctx.repeats if nbytes <= 64 * MiB else max(2, ctx.repeats // 2))
     return base * 3 if nbytes <= 256 * KiB else base  # small ones are cheap and noisy
@@ -107,7 +98,7 @@ def _bandwidth(ctx, dev, rows, step):
     gpu = ctx.device == "cuda"
     memcpy = "pinned memcpy (copy engine)" if gpu else "memcpy (preallocated copy_)"
     pool, clock = hipferry.default_pool(), _Clock(gpu)
-    for nbytes in _sizes(ctx):
+    for nbytes in sizes_by_four(ctx):
         n = nbytes // 4
         pageable = torch.randn(n)
         pooled = pool.empty(n)
@@ -295,7 +286,7 @@ def _copy_cast(ctx, dev, rows, step):
 def transfer_suite(ctx: Context) -> SuiteResult:
     gpu = ctx.device == "cuda"
     dev = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
-    total = 2 * len(_sizes(ctx)) + 2 + (1 if gpu else 0)
+    total = 2 * len(sizes_by_four(ctx)) + 2 + (1 if gpu else 0)
     done = [0]
 
     def step(what):
