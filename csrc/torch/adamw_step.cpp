@@ -87,6 +87,7 @@ void bind_adamw(py::module_& m) {
            std::optional<at::Tensor> max_exp_avg_sq, std::optional<at::Tensor> param_out, std::int64_t step,
            double lr, double beta1, double beta2, double eps, double weight_decay, bool amsgrad, bool maximize) {
           translate_errors([&] {
+            py::gil_scoped_release no_gil;
             adamw_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_out, step, lr, beta1, beta2, eps,
                        weight_decay, amsgrad, maximize);
           });

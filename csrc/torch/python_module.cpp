@@ -82,6 +82,7 @@ namespace hipferry {
 void bind_pinned_pool(py::module_& m);  // pool_bindings.cpp
 void bind_transfers(py::module_& m);    // transfer_bindings.cpp
 void bind_adamw(py::module_& m);        // adamw_step.cpp
+void bind_adamw_streamer(py::module_& m);  // adamw_streamer.cpp
 }
 
 PYBIND11_MODULE(_C, m) {
@@ -95,4 +96,5 @@ PYBIND11_MODULE(_C, m) {
   bind_pinned_pool(m);
   bind_transfers(m);
   bind_adamw(m);
+  bind_adamw_streamer(m);
 }

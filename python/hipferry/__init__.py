@@ -5,6 +5,7 @@ Importing hipferry registers its ops under ``torch.ops.hipferry``.
 import torch  # noqa: F401  (loads libc10/libtorch before the extension)
 
 from . import _C  # noqa: F401  (registers torch.ops.hipferry.*)
+from . import optim  # noqa: F401  (hipferry.optim.OffloadAdamW)
 from .ops import copy_cast_
 from .platform import build_info, device_count, device_info
 from .pool import PinnedPool, configure_default_pool, default_pool, pin
@@ -13,5 +14,5 @@ from .transfer import Transfer, configure_transfers, offload, prefetch, transfer
 
 __all__ = ["copy_cast_", "build_info", "device_count", "device_info", "PinnedPool", "default_pool",
            "configure_default_pool", "pin", "prefetch", "offload", "Transfer", "transfer_stats",
-           "configure_transfers", "trace", "trace_region", "Trace", "__version__"]
+           "configure_transfers", "trace", "trace_region", "Trace", "optim", "__version__"]
 __version__ = "0.1.0"

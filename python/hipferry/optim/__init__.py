@@ -1,0 +1,5 @@
+"""Optimizers whose state lives in host memory (docs/offload-adamw-plan.md)."""
+from .calibration import calibrate
+from .offload_adamw import OffloadAdamW
+
+__all__ = ["OffloadAdamW", "calibrate"]

@@ -1,0 +1,124 @@
+"""Short measurements that let OffloadAdamW(step_on="auto") choose its engine.
+
+The GPU-streamed engine is bound by the host link (state in and out each step),
+the CPU engine by the CPU's AdamW throughput (28 bytes per parameter through
+host memory) with only gradients and parameters crossing the link. Both figures
+are measured once per machine and cached, since they take about a second.
+"""
+import json
+import os
+import time
+from typing import Optional
+
+import torch
+
+from .. import _C
+from ..pool import default_pool
+
+_MiB = 1 << 20
+_cache: dict = {}
+
+
+def _cache_path() -> str:
+    root = os.environ.get("HIPFERRY_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "hipferry")
+    return os.path.join(root, "calibration.json")
+
+
+def _key(device: torch.device) -> str:
+    from .. import __version__
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return f"{name}|torch {torch.__version__}|hipferry {__version__}|{os.cpu_count()} cpus"
+
+
+def _cpu_adamw_params_per_s(n: int = 4 << 20, repeats: int = 3) -> float:
+    p, g, m, v = (torch.randn(n) for _ in range(4))
+    v.abs_()
+    best = float("inf")
+    for step in range(1, repeats + 1):
+        t0 = time.perf_counter()
+        _C._adamw_step_(p, g, m, v, None, None, step, 1e-3, 0.9, 0.999, 1e-8, 0.01, False, False)
+        best = min(best, time.perf_counter() - t0)
+    return n / best
+
+
+def _link_gbps(device: torch.device, nbytes: int = 64 * _MiB, repeats: int = 3) -> tuple:
+    host = default_pool().empty(nbytes, dtype=torch.uint8)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    best = {"h2d": float("inf"), "d2h": float("inf")}
+    with torch.cuda.device(device):
+        for _ in range(repeats):
+            for direction, (dst, src) in (("h2d", (dev, host)), ("d2h", (host, dev))):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                dst.copy_(src, non_blocking=True)
+                end.record()
+                end.synchronize()
+                best[direction] = min(best[direction], start.elapsed_time(end) / 1e3)
+    return nbytes / best["h2d"] / 1e9, nbytes / best["d2h"] / 1e9
+
+
+def calibrate(device: Optional[torch.device] = None, *, refresh: bool = False) -> dict:
+    """Link bandwidth (pinned, GB/s, each direction) and CPU AdamW throughput
+    (parameters/s) for `device` (default: the current GPU, else the CPU only).
+    Cached in memory and in $HIPFERRY_CACHE_DIR/calibration.json (default
+    ~/.cache/hipferry); `refresh=True` measures again."""
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"calibrate: device must be the CPU or a GPU, got {device}")
+    key = _key(device)
+    path = _cache_path()
+    if not refresh:
+        if key in _cache:
+            return dict(_cache[key])
+        try:
+            with open(path) as f:
+                stored = json.load(f).get(key)
+            if stored:
+                _cache[key] = stored
+                return dict(stored)
+        except (OSError, ValueError):
+            pass
+    result = {"device": str(device), "cpu_adamw_params_per_s": _cpu_adamw_params_per_s(),
+              "cpu_threads": torch.get_num_threads(), "measured": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if device.type == "cuda":
+        result["link_h2d_gbps"], result["link_d2h_gbps"] = _link_gbps(device)
+    _cache[key] = result
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        try:
+            with open(path) as f:
+                everything = json.load(f)
+        except (OSError, ValueError):
+            everything = {}
+        everything[key] = result
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(everything, f, indent=1)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home still gets the in-memory cache
+    return dict(result)
+
+
+def choose_engine(calibration: dict, low_precision_share: float, amsgrad: bool) -> tuple:
+    """('gpu' or 'cpu', reason) from predicted seconds per parameter.
+
+    GPU-streamed: the state crosses the link both ways at once (full duplex),
+    4 B per float32 array (exp_avg, exp_avg_sq, the master for low-precision
+    parameters, max_exp_avg_sq with amsgrad). CPU: the fused host step, with
+    the gradient copy overlapped with backward and the parameter copy back
+    overlapped with the host step of the next parameter."""
+    arrays = 2 + low_precision_share + (1 if amsgrad else 0)
+    h2d, d2h = calibration["link_h2d_gbps"] * 1e9, calibration["link_d2h_gbps"] * 1e9
+    gpu = max(4 * arrays / h2d, 4 * arrays / d2h)
+    param_bytes = 4 - 2 * low_precision_share
+    cpu = max(1 / calibration["cpu_adamw_params_per_s"], param_bytes / h2d)
+    choice = "gpu" if gpu <= cpu else "cpu"
+    reason = (f"predicted {gpu * 1e9:.2f} ns/param GPU-streamed (link {h2d / 1e9:.1f}/{d2h / 1e9:.1f} GB/s "
+              f"h2d/d2h) vs {cpu * 1e9:.2f} ns/param on the CPU "
+              f"({calibration['cpu_adamw_params_per_s'] / 1e6:.0f} M params/s)")
+    return choice, reason
