@@ -22,7 +22,7 @@ __global__ void adamw_kernel(optim::AdamWArrays a, optim::AdamWScalars s, std::i
   for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
     float p = a.param[i], m = a.exp_avg[i], v = a.exp_avg_sq[i];
     float mx = kAmsgrad ? a.max_exp_avg_sq[i] : 0.0f;
-    optim::adamw_update(p, to_f32<Grad>(grad[i]), m, v, mx, s);
+    optim::adamw_update<kAmsgrad>(p, to_f32<Grad>(grad[i]), m, v, mx, s);
     a.param[i] = p;
     a.exp_avg[i] = m;
     a.exp_avg_sq[i] = v;

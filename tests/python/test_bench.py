@@ -89,3 +89,35 @@ def test_transfer_suite_measures_every_case_and_draws_a_timeline(tmp_path):
     assert any("transfer_timeline.png" in note for note in doc["notes"])
     trace = json.loads((tmp_path / "transfer_trace.json").read_text())
     assert trace["traceEvents"]
+
+
+def test_optim_suite_measures_every_contender_against_the_bound(tmp_path):
+    import math
+    r = subprocess.run([sys.executable, "-m", "hipferry", "bench", "optim", "--quick", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "[optim] 1/" in r.stderr
+    doc = json.loads((tmp_path / "optim.json").read_text())
+    rows = doc["rows"]
+    triad = [row for row in rows if row["measure"] == "triad"]
+    assert len(triad) == 1 and triad[0]["GBps"] > 0
+    torch_names = ["torch AdamW fused=True", "torch AdamW foreach=True", "torch AdamW for-loop (foreach=False)"]
+    hf = "hipferry OffloadAdamW (CPU engine)"
+    expected = {"step fp32": [hf] + torch_names,
+                "step bf16+master": [hf] + [n + " + copy_ to bf16" for n in torch_names]}
+    for measure, names in expected.items():
+        got = [row for row in rows if row["measure"] == measure]
+        assert sorted(row["contender"] for row in got) == sorted(names), measure
+        for row in got:
+            assert math.isfinite(row["seconds"]) and row["seconds"] > 0, row
+            assert 0 < row["fraction_of_bound"] < 1.5, row
+            assert row["hipferry_speedup"] > 0, row
+    gpu_rows = [row for row in rows if row["measure"].startswith("gpu step")]
+    if doc["device"] == "cuda":
+        assert gpu_rows and all(math.isfinite(row["seconds"]) and row["seconds"] > 0 for row in gpu_rows)
+        assert any(0 < row.get("fraction_of_link_bound", 0) for row in gpu_rows)
+    else:
+        assert not gpu_rows and any("GPU part skipped" in note for note in doc["notes"])
+    assert any(note.startswith("target never slower than fused=True") for note in doc["notes"])
+    for png in ("optim.png", "optim_1.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png

@@ -22,11 +22,14 @@ HIPFERRY_ADAMW_CLONES void adamw_loop(const AdamWArrays& a, const AdamWScalars& 
   float* __restrict v = a.exp_avg_sq;
   float* __restrict max_v = a.max_exp_avg_sq;
   auto* __restrict out = static_cast<typename Out::storage*>(a.param_out);
+  // A local copy: reads of `s` through the reference could alias the stores
+  // below, and GCC then keeps them in the loop and does not vectorize it.
+  const AdamWScalars sc = s;
 #pragma omp simd
   for (std::int64_t i = begin; i < end; ++i) {
     float p = param[i], mi = m[i], vi = v[i];
     float mx = kAmsgrad ? max_v[i] : 0.0f;
-    adamw_update(p, to_f32<Grad>(grad[i]), mi, vi, mx, s);
+    adamw_update<kAmsgrad>(p, to_f32<Grad>(grad[i]), mi, vi, mx, sc);
     param[i] = p;
     m[i] = mi;
     v[i] = vi;

@@ -134,7 +134,7 @@ def available() -> List[str]:
 
 
 def _load_suites() -> None:
-    from . import copy_cast_suite, pool_suite, transfer_suite  # noqa: F401  (register themselves)
+    from . import copy_cast_suite, optim_suite, pool_suite, transfer_suite  # noqa: F401  (register themselves)
 
 
 def run(names: List[str], out_dir: str, ctx: Context) -> Dict[str, dict]:

@@ -23,7 +23,8 @@ from .. import _C
 from ..pool import PinnedPool, default_pool
 from ..transfer import Transfer, offload
 from . import calibration
-from .state import (LOW_PRECISION, check_hyper, check_param, format_bytes, local, state_keys, torch_group_defaults)
+from .state import (LOW_PRECISION, SUPPORTED, check_hyper, check_param, format_bytes, local, state_keys,
+                    to_global_state, torch_group_defaults)
 
 log = logging.getLogger("hipferry.optim")
 
@@ -126,7 +127,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             raise torch.OutOfMemoryError(
                 f"OffloadAdamW: the pool cannot hold the optimizer state: it needs {format_bytes(need)} for "
                 f"{len(plan)} parameters; pool capacity {format_bytes(self._pool.capacity)}, "
-                f"{format_bytes(stats.get('bytes_in_use', 0))} in use. Pass a larger pool "
+                f"{format_bytes(stats['allocated_bytes'])} in use. Pass a larger pool "
                 f"(pool=hipferry.PinnedPool(capacity=...)). ({e})") from None
         for (p, lp, where, _), st in zip(plan, states):
             self.state[p] = st
@@ -225,9 +226,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         where = f"params[group {gi}][{pi}]"
         if g.is_sparse or g.layout != torch.strided:
             raise ValueError(f"OffloadAdamW does not support sparse gradients; {where} has a {g.layout} gradient")
-        if g.shape != p.shape or g.device != p.device or not g.dtype.is_floating_point:
+        if g.shape != p.shape or g.device != p.device or local(g).dtype not in SUPPORTED:
             raise ValueError(f"OffloadAdamW: the gradient of {where} is {g.dtype} {tuple(g.shape)} on {g.device}; "
-                             f"expected a floating-point gradient shaped {tuple(p.shape)} on {p.device}")
+                             f"expected a float32, float16 or bfloat16 gradient shaped {tuple(p.shape)} on "
+                             f"{p.device}")
 
     def _grads_finite(self, params: List[torch.Tensor]) -> bool:
         flags = [torch.isfinite(local(p.grad)).all() for p in params]
@@ -367,8 +369,15 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     # ------------------------------------------------------------ state dict
     def state_dict(self) -> Dict[str, Any]:
+        """torch.optim.AdamW's format. Under FSDP2 the state of a DTensor
+        parameter is a DTensor like the parameter (as torch.optim.AdamW keeps it),
+        wrapping this rank's host tensors without copying them."""
         self.synchronize()
-        return super().state_dict()
+        sd = super().state_dict()
+        params = [p for g in self.param_groups for p in g["params"]]
+        sd["state"] = {i: to_global_state(params[i], st) if isinstance(i, int) and i < len(params) else st
+                       for i, st in sd["state"].items()}
+        return sd
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         from .state import check_loadable
@@ -382,6 +391,8 @@ class OffloadAdamW(torch.optim.Optimizer):
                 st = kept[p]
                 if group["amsgrad"] and "max_exp_avg_sq" not in st:
                     st["max_exp_avg_sq"] = self._new_state(local(p), self._slots[p].where)
+                elif not group["amsgrad"]:
+                    st.pop("max_exp_avg_sq", None)  # torch's keys exactly; the memory goes back to the pool
                 saved = by_param.get(p)
                 for k, t in st.items():
                     if k == "step":

@@ -2,7 +2,6 @@
 state-dict loading: what a parameter may be, which state keys it has, the
 param-group keys torch.optim.AdamW writes, and state-dict validation (all of
 it before anything is changed)."""
-import inspect
 from typing import Any, Dict, List
 
 import torch
@@ -15,6 +14,23 @@ def local(t: torch.Tensor) -> torch.Tensor:
     """The tensor this rank owns: a DTensor's local shard (FSDP2), else t."""
     inner = getattr(t, "_local_tensor", None)
     return inner if isinstance(inner, torch.Tensor) else t
+
+
+def to_global_state(p: torch.Tensor, st: dict) -> dict:
+    """The state of a DTensor parameter as DTensors with the parameter's mesh,
+    placements and global shape (what torch.optim.AdamW holds under FSDP2);
+    other parameters' state as is."""
+    if local(p) is p:
+        return st
+    from torch.distributed.tensor import DTensor
+    out = {}
+    for k, t in st.items():
+        if k == "step" or local(t) is not t:
+            out[k] = t
+        else:
+            out[k] = DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                        stride=p.stride())
+    return out
 
 
 def state_keys(lp: torch.Tensor, amsgrad: bool) -> List[str]:
@@ -54,16 +70,12 @@ def check_param(p: Any, group: int, index: int) -> None:
 def torch_group_defaults() -> Dict[str, Any]:
     """The group keys torch.optim.AdamW writes besides ours (foreach, fused,
     capturable, differentiable, decoupled_weight_decay... as this torch has
-    them), so a state dict loads into torch.optim.AdamW with AdamW's meaning."""
-    out = {}
-    for name, param in inspect.signature(torch.optim.AdamW.__init__).parameters.items():
-        if name in ("self", "params", "lr", "betas", "eps", "weight_decay", "amsgrad", "maximize") or \
-                param.default is inspect.Parameter.empty:
-            continue
-        out[name] = param.default
-    if "decoupled_weight_decay" in out:
-        out["decoupled_weight_decay"] = True
-    return out
+    them), read from a throwaway AdamW's defaults (some are set inside its
+    __init__, not in its signature), so a state dict loads into
+    torch.optim.AdamW, or Adam(decoupled_weight_decay=True), with AdamW's meaning."""
+    ours = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
+    probe = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+    return {k: v for k, v in probe.defaults.items() if k not in ours}
 
 
 def format_bytes(n: Any) -> str:
