@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # hipferry developer entry point. Every subcommand works on a fresh machine.
 #
-#   scripts/dev.sh example   install deps, build, run examples/convert_weights.py
+#   scripts/dev.sh example   install deps, build, run examples/finetune.py (the main job: fine-tuning
+#                            with OffloadAdamW vs torch.optim.AdamW)
 #   scripts/dev.sh test      install deps, build, run ALL tests:
 #                              ctest (core, runtime, exhaustive conversions) + pytest,
 #                              AMD (ROCm Clang) and NVIDIA (nvcc) builds of the GPU code
@@ -107,8 +108,8 @@ case "${1:-}" in
     ;;
   example)
     deps; build
-    step "examples/convert_weights.py"
-    $PY examples/convert_weights.py
+    step "examples/finetune.py (OffloadAdamW vs torch.optim.AdamW)"
+    $PY examples/finetune.py
     ;;
-  *) sed -n '2,13p' "$0"; exit 2 ;;
+  *) sed -n '2,14p' "$0"; exit 2 ;;
 esac

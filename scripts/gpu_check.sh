@@ -38,7 +38,9 @@ run ctest ctest --test-dir "$BUILD_DIR" --output-on-failure -LE exhaustive -j "$
 run pytest $PY -m pytest -q -ra tests/python --junitxml="$OUT/pytest.xml"
 run doctor $PY -m hipferry doctor
 run bench $PY -m hipferry bench transfer pool copy_cast --out "$OUT/bench" --repeats 3 --max-bytes 1073741824
+run bench_optim $PY -m hipferry bench optim --out "$OUT/bench_optim" --repeats 3
 run example $PY examples/convert_weights.py
 run example_prefetch $PY examples/prefetch_pipeline.py --out "$OUT/prefetch"
+run example_finetune $PY examples/finetune.py --json "$OUT/finetune.json" --plot "$OUT/finetune.png"
 echo "done in $(( $(date +%s) - start ))s, status $status; results in $OUT"
 exit $status

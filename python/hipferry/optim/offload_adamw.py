@@ -113,6 +113,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             plan.append((p, lp, where, state_keys(lp, group["amsgrad"])))
         need = sum(lp.numel() * 4 * len(keys) for _, lp, where, keys in plan if where == "host")
         states: List[dict] = []
+        st: dict = {}
         try:
             for p, lp, where, keys in plan:
                 st = {"step": torch.tensor(0.0)}
@@ -122,7 +123,8 @@ class OffloadAdamW(torch.optim.Optimizer):
                     st["master_param"].copy_(lp)
                 states.append(st)
         except torch.OutOfMemoryError as e:
-            states.clear()  # gives back what this call took
+            states.clear()  # gives back what this call took, before the pool's figures are read
+            st = {}
             stats = self._pool.stats()
             raise torch.OutOfMemoryError(
                 f"OffloadAdamW: the pool cannot hold the optimizer state: it needs {format_bytes(need)} for "
