@@ -9,8 +9,12 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
+#include <cstring>
+#include <optional>
+#include <string>
 
 #include "adamw_kernel.h"
+#include "optim/adamw_cpu.h"
 #include "torch/copy_cast_checks.h"
 #include "torch/current_stream.h"
 #include "torch/python_errors.h"
@@ -20,10 +24,22 @@ namespace py = pybind11;
 namespace hipferry {
 namespace {
 
+// Host mode (device -1) has no streams or events: every operation below is
+// then done at once on the calling thread, in the same order.
 std::vector<std::unique_ptr<rt::Event>> make_events(int device, int n) {
   std::vector<std::unique_ptr<rt::Event>> out;
-  for (int i = 0; i < n; ++i) out.push_back(std::make_unique<rt::Event>(device));
+  for (int i = 0; i < n; ++i) out.push_back(device >= 0 ? std::make_unique<rt::Event>(device) : nullptr);
   return out;
+}
+
+rt::StreamHandle handle_of(const std::unique_ptr<rt::Stream>& s) { return s ? s->handle() : nullptr; }
+
+void record(const std::unique_ptr<rt::Event>& e, rt::StreamHandle stream) {
+  if (e) e->record(stream);
+}
+
+void wait(const std::unique_ptr<rt::Event>& e, rt::StreamHandle stream) {
+  if (e) e->block_stream(stream);
 }
 
 void check_host_state(const at::Tensor& t, const char* name, std::size_t index, std::int64_t numel) {
@@ -35,9 +51,11 @@ void check_host_state(const at::Tensor& t, const char* name, std::size_t index, 
 
 void check_param(const StreamedParam& p, std::size_t i, int device, bool amsgrad) {
   const at::Tensor& param = p.param;
-  TORCH_CHECK_VALUE(param.is_cuda() && param.device().index() == device && param.is_contiguous(),
-                    "AdamWStreamer.step: params[", i, "] must be a contiguous tensor on cuda:", device, "; got ",
-                    param.device());
+  const bool placed = device < 0 ? param.is_cpu() : param.is_cuda() && param.device().index() == device;
+  TORCH_CHECK_VALUE(placed && param.is_contiguous(), "AdamWStreamer.step: params[", i,
+                    "] must be a contiguous tensor on ", device < 0 ? std::string("the CPU (host mode)")
+                                                                    : "cuda:" + std::to_string(device),
+                    "; got ", param.device());
   const bool low = param.scalar_type() == at::kHalf || param.scalar_type() == at::kBFloat16;
   TORCH_CHECK_VALUE(low || param.scalar_type() == at::kFloat, "AdamWStreamer.step: params[", i, "] has dtype ",
                     param.scalar_type(), "; expected float32, float16 or bfloat16");
@@ -63,13 +81,13 @@ AdamWStreamer::AdamWStreamer(int device, std::int64_t chunk_numel, int slots)
     : device_(device),
       chunk_numel_(chunk_numel),
       slots_(slots),
-      in_(device),
-      out_(device),
+      in_(device >= 0 ? std::make_unique<rt::Stream>(device) : nullptr),
+      out_(device >= 0 ? std::make_unique<rt::Stream>(device) : nullptr),
       loaded_(make_events(device, slots)),
       computed_(make_events(device, slots)),
       free_(make_events(device, slots)),
       free_recorded_(static_cast<std::size_t>(slots), false),
-      finished_(device) {}
+      finished_(device >= 0 ? std::make_unique<rt::Event>(device) : nullptr) {}
 
 AdamWStreamer::~AdamWStreamer() {
   try {
@@ -80,15 +98,15 @@ AdamWStreamer::~AdamWStreamer() {
 }
 
 void AdamWStreamer::synchronize() {
-  if (finished_recorded_) finished_.synchronize();
+  if (finished_recorded_ && finished_) finished_->synchronize();
 }
 
 void AdamWStreamer::ensure_ring(int arrays_per_slot) {
   if (ring_.defined() && arrays_per_slot <= arrays_per_slot_) return;
   synchronize();  // the old ring may still be read or written by the last step
   ring_ = at::Tensor();
-  ring_ = at::empty({slots_ * arrays_per_slot * chunk_numel_},
-                    at::TensorOptions().dtype(at::kFloat).device(at::Device(at::kCUDA, device_)));
+  const at::Device where = device_ >= 0 ? at::Device(at::kCUDA, device_) : at::Device(at::kCPU);
+  ring_ = at::empty({slots_ * arrays_per_slot * chunk_numel_}, at::TensorOptions().dtype(at::kFloat).device(where));
   arrays_per_slot_ = arrays_per_slot;
 }
 
@@ -99,22 +117,28 @@ void AdamWStreamer::step(const std::vector<StreamedParam>& params, const optim::
     if (params[i].master) arrays = 3 + (s.amsgrad ? 1 : 0);
   }
   if (params.empty()) return;
-  rt::DeviceGuard guard(device_);
+  const bool host = device_ < 0;
+  std::optional<rt::DeviceGuard> guard;
+  if (!host) guard.emplace(device_);
   ensure_ring(arrays);
-  const rt::StreamHandle compute = current_torch_stream(device_);
+  const rt::StreamHandle compute = host ? nullptr : current_torch_stream(device_);
+  const rt::StreamHandle in = handle_of(in_), out = handle_of(out_);
+  const auto copy = [host](void* dst, const void* src, std::size_t bytes, rt::StreamHandle stream) {
+    host ? static_cast<void>(std::memcpy(dst, src, bytes)) : rt::memcpy_async(dst, src, bytes, stream);
+  };
   float* ring = ring_.data_ptr<float>();
   const std::size_t slot_floats = static_cast<std::size_t>(arrays_per_slot_ * chunk_numel_);
-  if (finished_recorded_) finished_.block_stream(in_.handle());
+  if (finished_recorded_) wait(finished_, in);
 
   std::int64_t chunk = 0;
   for (const StreamedParam& p : params) {
     const std::int64_t n = p.param.numel();
     // Host arrays in slot order: master (if any), exp_avg, exp_avg_sq, max (if any).
-    std::vector<float*> host;
-    if (p.master) host.push_back(p.master->data_ptr<float>());
-    host.push_back(p.exp_avg.data_ptr<float>());
-    host.push_back(p.exp_avg_sq.data_ptr<float>());
-    if (p.max_exp_avg_sq) host.push_back(p.max_exp_avg_sq->data_ptr<float>());
+    std::vector<float*> state;
+    if (p.master) state.push_back(p.master->data_ptr<float>());
+    state.push_back(p.exp_avg.data_ptr<float>());
+    state.push_back(p.exp_avg_sq.data_ptr<float>());
+    if (p.max_exp_avg_sq) state.push_back(p.max_exp_avg_sq->data_ptr<float>());
     char* param_bytes = static_cast<char*>(p.param.data_ptr());
     const char* grad_bytes = static_cast<const char*>(p.grad.const_data_ptr());
     for (std::int64_t off = 0; off < n; off += chunk_numel_, ++chunk) {
@@ -122,14 +146,14 @@ void AdamWStreamer::step(const std::vector<StreamedParam>& params, const optim::
       const auto k = static_cast<std::size_t>(chunk % slots_);
       float* slot = ring + k * slot_floats;
       std::vector<float*> dev;
-      for (std::size_t a = 0; a < host.size(); ++a) dev.push_back(slot + a * chunk_numel_);
+      for (std::size_t a = 0; a < state.size(); ++a) dev.push_back(slot + a * chunk_numel_);
       const std::size_t bytes = static_cast<std::size_t>(count) * sizeof(float);
 
-      if (free_recorded_[k]) free_[k]->block_stream(in_.handle());
-      for (std::size_t a = 0; a < host.size(); ++a) rt::memcpy_async(dev[a], host[a] + off, bytes, in_.handle());
-      loaded_[k]->record(in_.handle());
+      if (free_recorded_[k]) wait(free_[k], in);
+      for (std::size_t a = 0; a < state.size(); ++a) copy(dev[a], state[a] + off, bytes, in);
+      record(loaded_[k], in);
 
-      loaded_[k]->block_stream(compute);
+      wait(loaded_[k], compute);
       optim::AdamWArrays arr;
       std::size_t a = 0;
       if (p.master) {
@@ -144,16 +168,20 @@ void AdamWStreamer::step(const std::vector<StreamedParam>& params, const optim::
       if (p.max_exp_avg_sq) arr.max_exp_avg_sq = dev[a++];
       arr.grad = grad_bytes + off * p.grad.element_size();
       arr.grad_type = element_type_of(p.grad);
-      gpu::launch_adamw(arr, s, count, compute, device_);
-      computed_[k]->record(compute);
+      if (host) {
+        optim::adamw_cpu(arr, s, 0, count);
+      } else {
+        gpu::launch_adamw(arr, s, count, compute, device_);
+      }
+      record(computed_[k], compute);
 
-      computed_[k]->block_stream(out_.handle());
-      for (std::size_t b = 0; b < host.size(); ++b) rt::memcpy_async(host[b] + off, dev[b], bytes, out_.handle());
-      free_[k]->record(out_.handle());
+      wait(computed_[k], out);
+      for (std::size_t b = 0; b < state.size(); ++b) copy(state[b] + off, dev[b], bytes, out);
+      record(free_[k], out);
       free_recorded_[k] = true;
     }
   }
-  finished_.record(out_.handle());
+  record(finished_, out);
   finished_recorded_ = true;
 }
 
@@ -163,6 +191,8 @@ void bind_adamw_streamer(py::module_& m) {
                             "step_on='gpu' engine).")
       .def(py::init([](int device, std::int64_t chunk_numel, int slots) {
              return translate_errors([&] {
+               TORCH_CHECK_VALUE(device >= -1, "AdamWStreamer: device must be a GPU index or -1 (host mode), got ",
+                                 device);
                TORCH_CHECK_VALUE(chunk_numel >= 1, "AdamWStreamer: chunk_numel must be >= 1, got ", chunk_numel);
                TORCH_CHECK_VALUE(slots >= 2, "AdamWStreamer: slots must be >= 2, got ", slots);
                return std::make_unique<AdamWStreamer>(device, chunk_numel, slots);

@@ -27,6 +27,9 @@
 //    engine switch); the destructor synchronizes too, so the ring is never
 //    returned to torch's allocator while a copy still uses it.
 // Not thread-safe: one optimizer drives one streamer from one thread.
+// device == -1 runs the same chunk and slot schedule on the host, synchronously
+// (no streams, a CPU ring, the CPU loop for the kernel): the tests check the
+// schedule on machines without a GPU.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -76,13 +79,14 @@ class AdamWStreamer {
   std::int64_t chunk_numel_;     // elements per chunk (each array of a slot holds this many floats)
   int slots_;                    // ring slots (>= 2)
   int arrays_per_slot_ = 0;      // float arrays per slot the ring was sized for (2..4)
-  rt::Stream in_;                // host->device copies of state
-  rt::Stream out_;               // device->host copies of state
+  // Streams and events: all null when device_ == -1 (host mode).
+  std::unique_ptr<rt::Stream> in_;                    // host->device copies of state
+  std::unique_ptr<rt::Stream> out_;                   // device->host copies of state
   std::vector<std::unique_ptr<rt::Event>> loaded_;    // per slot: its chunk is on the device
   std::vector<std::unique_ptr<rt::Event>> computed_;  // per slot: the kernel on it is done
   std::vector<std::unique_ptr<rt::Event>> free_;      // per slot: its state is back on the host
   std::vector<bool> free_recorded_;                   // per slot: free_ was recorded at least once
-  rt::Event finished_;           // recorded on out_ after a step's last copy out
+  std::unique_ptr<rt::Event> finished_;  // recorded on out_ after a step's last copy out
   bool finished_recorded_ = false;
   at::Tensor ring_;              // slots_ * arrays_per_slot_ * chunk_numel_ floats on device_
 };
