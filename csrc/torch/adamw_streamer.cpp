@@ -99,6 +99,7 @@ AdamWStreamer::~AdamWStreamer() {
 
 void AdamWStreamer::synchronize() {
   if (finished_recorded_ && finished_) finished_->synchronize();
+  in_flight_.clear();
 }
 
 void AdamWStreamer::ensure_ring(int arrays_per_slot) {
@@ -108,6 +109,13 @@ void AdamWStreamer::ensure_ring(int arrays_per_slot) {
   const at::Device where = device_ >= 0 ? at::Device(at::kCUDA, device_) : at::Device(at::kCPU);
   ring_ = at::empty({slots_ * arrays_per_slot * chunk_numel_}, at::TensorOptions().dtype(at::kFloat).device(where));
   arrays_per_slot_ = arrays_per_slot;
+  if (device_ >= 0) {
+    // torch's allocator orders this memory after the current stream only; our
+    // copies run on in_, so in_ waits for what the current stream has queued.
+    rt::Event allocated(device_);
+    allocated.record(current_torch_stream(device_));
+    allocated.block_stream(in_->handle());
+  }
 }
 
 void AdamWStreamer::step(const std::vector<StreamedParam>& params, const optim::AdamWScalars& s) {
@@ -134,6 +142,9 @@ void AdamWStreamer::step(const std::vector<StreamedParam>& params, const optim::
   for (const StreamedParam& p : params) {
     const std::int64_t n = p.param.numel();
     // Host arrays in slot order: master (if any), exp_avg, exp_avg_sq, max (if any).
+    for (const auto* t : {&p.exp_avg, &p.exp_avg_sq}) in_flight_.push_back(*t);
+    if (p.master) in_flight_.push_back(*p.master);
+    if (p.max_exp_avg_sq) in_flight_.push_back(*p.max_exp_avg_sq);
     std::vector<float*> state;
     if (p.master) state.push_back(p.master->data_ptr<float>());
     state.push_back(p.exp_avg.data_ptr<float>());

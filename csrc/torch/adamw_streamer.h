@@ -22,6 +22,10 @@
 //  - a slot is loaded again only after its previous chunk was copied out (free[k]);
 //  - a step's first copy in waits for the previous step's last copy out
 //    (`finished_`), so host state is never read before it was written back;
+//  - a new ring's first copies in wait for torch's current stream: the caching
+//    allocator may hand out memory whose last users are still queued there;
+//  - the host tensors of the last step are referenced until synchronize(), so
+//    the pool cannot reuse them while a copy still reads or writes them;
 //  - the host must not read or write the state before synchronize() (the
 //    Python optimizer calls it before state_dict, load_state_dict and any
 //    engine switch); the destructor synchronizes too, so the ring is never
@@ -89,6 +93,7 @@ class AdamWStreamer {
   std::unique_ptr<rt::Event> finished_;  // recorded on out_ after a step's last copy out
   bool finished_recorded_ = false;
   at::Tensor ring_;              // slots_ * arrays_per_slot_ * chunk_numel_ floats on device_
+  std::vector<at::Tensor> in_flight_;  // host state of the last step, kept until synchronize()
 };
 
 }  // namespace hipferry

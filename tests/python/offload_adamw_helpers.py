@@ -9,7 +9,8 @@ Tolerances: torch's vectorized float sqrt is Sleef's (within 0.5001 ulp) while
 hipferry's is correctly rounded, so a few elements per thousand differ by an
 ulp per step; over a trajectory on the same gradients (SideBySide) the
 parameters agree to a normwise relative difference of 1e-6 and at least 99% of
-the elements stay bit-identical. That needs learning rates around 1e-3 here
+the elements stay bit-identical (against a CPU reference; torch's CUDA AdamW
+fuses its addcmul/addcdiv, so against it only the normwise bound holds). That needs learning rates around 1e-3 here
 (HYPER): with 1e-2 an ulp in the denominator flips the rounding of the
 parameter often enough to leave ~98.5% bit-identical after 100 steps."""
 import copy
@@ -191,6 +192,11 @@ def assert_close_to_torch(got, want, what="parameters"):
         assert torch.isfinite(a).all(), f"{what}[{i}] is not finite"
         diff = (a.float() - b.float()).abs().max()
         assert diff <= 1e-6 * b.float().abs().max(), f"{what}[{i}]: max difference {diff} vs max {b.abs().max()}"
+    if any(t.is_cuda for t in want):
+        # torch's CUDA AdamW computes addcmul/addcdiv as fma(value, t1 op t2, self)
+        # (ATen/native/cuda/DeviceAddCmulCdiv.cuh) where hipferry follows the CPU
+        # formulas, so on a GPU reference only the normwise bound above holds.
+        return
     same = (flat(got) == flat(want)).float().mean()
     assert same >= 0.99, f"{what}: only {same:.4f} of the elements are bit-identical"
 

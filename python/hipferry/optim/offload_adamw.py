@@ -14,6 +14,7 @@ pool, and one of two engines runs the same fused element-wise update
 Small GPU parameters keep their state on the device and step there.
 """
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
@@ -66,7 +67,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._slots: Dict[torch.Tensor, _Slot] = {}
         self._hooks: list = []
         self._streamers: Dict[int, Any] = {}     # GPU index -> _C.AdamWStreamer
-        self._copies_back = None  # CPU engine: event after the last step's host->device parameter copies
+        self._copies_back: list = []  # CPU engine: per device, an event after the last step's copies back
         self._requested_step_on = step_on
         self.step_on = "cpu"
         self.step_on_reason = ""
@@ -101,7 +102,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._choose_engine()  # a group added later may bring GPU parameters
         for p in added["params"]:
             if p.device.type == "cuda" and p.requires_grad:
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+                self._hooks.append(p.register_post_accumulate_grad_hook(_weak_hook(self)))
 
     def _allocate(self, params: List[torch.Tensor], group: dict) -> None:
         """Allocates (and zeroes) every state tensor of `params` at once, so a
@@ -141,6 +142,16 @@ class OffloadAdamW(torch.optim.Optimizer):
         return self._pool.empty(*lp.shape, dtype=torch.float32).zero_()
 
     def _choose_engine(self) -> None:
+        before = self.step_on if self.step_on_reason else None
+        self._resolve_engine()
+        if before is not None and before != self.step_on:
+            # The other engine updates float32 GPU parameters on the device without a
+            # version bump: the CPU engine's host copies would be stale.
+            self._sync_streamers()
+            for slot in self._slots.values():
+                slot.host_param = None
+
+    def _resolve_engine(self) -> None:
         gpu_params = [local(p) for g in self.param_groups for p in g["params"]
                       if p.device.type == "cuda" and self._slots[p].where == "host"]
         requested = self._requested_step_on
@@ -193,11 +204,18 @@ class OffloadAdamW(torch.optim.Optimizer):
                     self._check_grad(p, gi, pi)
                     work.append((group, p))
         self.last_step_skipped = False
-        if self._skip_nonfinite and work and not self._grads_finite([p for _, p in work]):
+        scaler_driven = hasattr(self, "found_inf")  # torch.amp.GradScaler.step (see _step_supports_amp_scaling)
+        if (scaler_driven and float(self.found_inf) > 0) or \
+                (self._skip_nonfinite and work and not self._grads_finite([p for _, p in work])):
             self.skipped_steps += 1
             self.last_step_skipped = True
             self._drop_grad_copies()
             return loss
+        if scaler_driven:
+            if getattr(self, "grad_scale", None) is None:
+                self._drop_grad_copies()  # scaler.unscale_ changed the gradients in place, with no version bump
+            else:
+                self._unscale([p for _, p in work], self.grad_scale)
         self._wait_copies_back()  # the host buffers the last step sent back are written again below
         if self.step_on == "cpu":
             self._sync_streamers()  # the engine changed: the host reads state the GPU may still write
@@ -216,12 +234,39 @@ class OffloadAdamW(torch.optim.Optimizer):
                 host_gpu.append((group, p, step))
         for (_, device, step), items in streamed.items():
             self._step_streamed(device, step, items)
+        # The state is back on the host when step() returns: costs the last chunk's
+        # copy out (the next forward is queued behind the step's kernels anyway), and
+        # opt.state can be read on the host at once.
+        self._sync_streamers()
         for group, p, step in host_gpu:
             self._step_host_for_gpu(group, p, step)
-        if host_gpu:
-            self._copies_back = torch.cuda.Event()
-            self._copies_back.record()
+        for device in sorted({p.device.index for _, p, _ in host_gpu}):
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            self._copies_back.append(event)
         return loss
+
+    # torch.amp.GradScaler: hand this optimizer `grad_scale` and `found_inf`
+    # instead of unscaling the gradients itself, which it does in place without a
+    # version bump, unseen by the CPU engine's gradient copies.
+    _step_supports_amp_scaling = True
+
+    def _unscale(self, params: List[torch.Tensor], scale: torch.Tensor) -> None:
+        """What GradScaler.unscale_ does (the same op and factor), applied to the
+        CPU engine's host copies where they are current, else to p.grad."""
+        inv = scale.double().reciprocal().float()
+        groups: Dict[tuple, list] = {}
+        for p in params:
+            slot, grad = self._slots[p], local(p.grad)
+            if slot.grad_copy is not None and slot.copied_version == grad._version and \
+                    _same(slot.copied_grad, grad):
+                host = slot.grad_copy.wait()
+                slot.grad_copy = _Done(host)
+                grad = host
+            groups.setdefault((grad.device, grad.dtype), []).append(grad)
+        for (device, _), grads in groups.items():
+            found = torch.zeros((), dtype=torch.float32, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv.to(device))
 
     def _check_grad(self, p: torch.Tensor, gi: int, pi: int) -> None:
         g = p.grad
@@ -306,6 +351,13 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._slots[p].param_version = local(p)._version
 
     # ------------------------------------------------------------ utilities
+    def __del__(self) -> None:
+        for handle in getattr(self, "_hooks", ()):
+            try:
+                handle.remove()
+            except Exception:  # interpreter shutdown
+                pass
+
     def synchronize(self) -> None:
         """Waits until the state on the host is up to date."""
         self._sync_streamers()
@@ -316,9 +368,9 @@ class OffloadAdamW(torch.optim.Optimizer):
             s.synchronize()
 
     def _wait_copies_back(self) -> None:
-        if self._copies_back is not None:
-            self._copies_back.synchronize()
-            self._copies_back = None
+        for event in self._copies_back:
+            event.synchronize()
+        self._copies_back = []
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._drop_grad_copies()
@@ -348,7 +400,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         if copied:
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0).to("cpu")  # as clip_grads_with_norm_ does
             for p, slot, host in copied:
-                host.mul_(coef)
+                host.mul_(coef.to(host.dtype))  # CUDA's foreach mul rounds the factor to the grad dtype
                 slot.grad_copy = _Done(host)
                 slot.copied_version = local(p.grad)._version
         return total
@@ -429,3 +481,15 @@ def _same(a: Optional[torch.Tensor], b: torch.Tensor) -> bool:
 
 def _as_local(t: Any) -> torch.Tensor:
     return local(t) if isinstance(t, torch.Tensor) else torch.as_tensor(t)
+
+
+def _weak_hook(opt: "OffloadAdamW") -> Callable[[torch.Tensor], None]:
+    """A post-accumulate-grad hook that does not keep the optimizer alive (the
+    parameter holds its hooks): once the optimizer is gone it does nothing."""
+    ref = weakref.ref(opt)
+
+    def hook(p: torch.Tensor) -> None:
+        target = ref()
+        if target is not None:
+            target._on_grad_ready(p)
+    return hook
