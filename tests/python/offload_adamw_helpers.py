@@ -28,7 +28,11 @@ HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.05)
 
 # (parameter device, step_on): CPU params use the CPU engine, "auto" picks it (step_on="cpu" is the same engine:
 # ALL_ENGINES adds it for the main trajectory test only); GPU params run both engines.
+# "cpu-remote": CPU params through the CPU engine's GPU-parameter path (gradient copies started in
+# backward hooks, host working copies, copies back; OffloadAdamW's _cpu_params_as_remote test seam),
+# so that path runs without a GPU too.
 ENGINES = [pytest.param(("cpu", "auto"), id="cpu-auto"),
+           pytest.param(("cpu", "cpu-remote"), id="cpu-remote"),
            pytest.param(("cuda", "cpu"), id="cuda-cpu", marks=requires_gpu),
            pytest.param(("cuda", "gpu"), id="cuda-gpu", marks=requires_gpu)]
 ALL_ENGINES = ENGINES[:1] + [pytest.param(("cpu", "cpu"), id="cpu-cpu")] + ENGINES[1:]
@@ -239,6 +243,8 @@ def torch_adamw(params, **kw):
 
 
 def offload_adamw(params, step_on="auto", **kw):
+    if step_on == "cpu-remote":
+        step_on, kw = "cpu", dict(kw, _cpu_params_as_remote=True)
     args = dict(HYPER, min_offload_numel=MIN_OFFLOAD, step_on=step_on)
     args.update(kw)
     return offload_adamw_class()(params, **args)

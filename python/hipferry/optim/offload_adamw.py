@@ -48,7 +48,8 @@ class OffloadAdamW(torch.optim.Optimizer):
     def __init__(self, params: Iterable, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, amsgrad: bool = False, maximize: bool = False, *,
                  step_on: str = "auto", pool: Optional[PinnedPool] = None, min_offload_numel: int = 65536,
-                 chunk_numel: int = 1 << 21, ring_slots: int = 3, skip_nonfinite: bool = False):
+                 chunk_numel: int = 1 << 21, ring_slots: int = 3, skip_nonfinite: bool = False,
+                 _cpu_params_as_remote: bool = False):
         check_hyper(lr, betas, eps, weight_decay)
         if step_on not in ("auto", "cpu", "gpu"):
             raise ValueError(f"OffloadAdamW: step_on must be 'auto', 'cpu' or 'gpu', got {step_on!r}")
@@ -64,6 +65,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._chunk_numel = chunk_numel
         self._ring_slots = ring_slots
         self._skip_nonfinite = bool(skip_nonfinite)
+        # Test seam: run the CPU engine's path for GPU parameters (gradient copies
+        # started by backward hooks, host working copies, copies back) on CPU
+        # parameters, so machines without a GPU test it too.
+        self._cpu_params_as_remote = bool(_cpu_params_as_remote)
         self._slots: Dict[torch.Tensor, _Slot] = {}
         self._hooks: list = []
         self._streamers: Dict[int, Any] = {}     # GPU index -> _C.AdamWStreamer
@@ -73,6 +78,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         self.step_on_reason = ""
         self.skipped_steps = 0
         self.last_step_skipped = False
+        # CPU engine, GPU parameters: gradient copies from backward that step() used,
+        # and copies it had to make itself (none, or a changed gradient).
+        self.grad_copies_reused = 0
+        self.grad_copies_made_at_step = 0
         defaults = dict(torch_group_defaults(), lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         amsgrad=amsgrad, maximize=maximize)
         super().__init__(params, defaults)
@@ -101,7 +110,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         if getattr(self, "step_on_reason", ""):
             self._choose_engine()  # a group added later may bring GPU parameters
         for p in added["params"]:
-            if p.device.type == "cuda" and p.requires_grad:
+            if self._is_remote(p) and p.requires_grad:
                 self._hooks.append(p.register_post_accumulate_grad_hook(_weak_hook(self)))
 
     def _allocate(self, params: List[torch.Tensor], group: dict) -> None:
@@ -173,6 +182,10 @@ class OffloadAdamW(torch.optim.Optimizer):
             self.step_on, self.step_on_reason = calibration.choose_engine(cal, share, amsgrad)
         log.info("OffloadAdamW: step_on=%s (%s)", self.step_on, self.step_on_reason)
 
+    def _is_remote(self, p: torch.Tensor) -> bool:
+        """Whether the parameter lives elsewhere than its state (a GPU parameter)."""
+        return p.device.type == "cuda" or self._cpu_params_as_remote
+
     # ------------------------------------------------------- backward hooks
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         slot = self._slots.get(p)
@@ -184,10 +197,12 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def _host_grad(self, p: torch.Tensor, slot: _Slot) -> torch.Tensor:
         grad = local(p.grad)
-        copy = slot.grad_copy
+        copy, copied = slot.grad_copy, slot.copied_grad
         slot.grad_copy, slot.copied_grad = None, None
-        if copy is None or slot.copied_version != grad._version or not _same(slot.copied_grad, grad):
+        self.grad_copies_reused += copy is not None and slot.copied_version == grad._version and _same(copied, grad)
+        if copy is None or slot.copied_version != grad._version or not _same(copied, grad):
             copy = offload(grad, pool=self._pool)  # changed since the hook (accumulation, clipping, scaling)
+            self.grad_copies_made_at_step += 1
         return copy.wait()
 
     # ----------------------------------------------------------------- step
@@ -226,7 +241,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._refresh_master(p, st, slot)
             st["step"] += 1
             step = int(st["step"].item())
-            if slot.where == "device" or p.device.type == "cpu":
+            if slot.where == "device" or not self._is_remote(p):
                 self._step_in_place(group, p, st, step)
             elif self.step_on == "gpu":
                 streamed.setdefault((id(group), p.device.index, step), []).append((group, p))
@@ -240,7 +255,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._sync_streamers()
         for group, p, step in host_gpu:
             self._step_host_for_gpu(group, p, step)
-        for device in sorted({p.device.index for _, p, _ in host_gpu}):
+        for device in sorted({p.device.index for _, p, _ in host_gpu if p.device.type == "cuda"}):
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(device))
             self._copies_back.append(event)
