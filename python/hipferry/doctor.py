@@ -124,6 +124,42 @@ def transfer_self_test(device: str) -> str:
             f"{stats['staged_chunks']} chunks staged so far)")
 
 
+def optimizer_self_test(device: str) -> str:
+    """Three OffloadAdamW steps with each engine `device` has (float32 and
+    bfloat16 parameters; one large enough to be offloaded, one kept on the
+    device) against the fused step on the CPU, bit for bit: the kernel and the
+    CPU loop run the same element-wise function."""
+    from . import _C
+    from .optim import OffloadAdamW
+    hyper = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+    engines = ["cpu", "gpu"] if device != "cpu" else ["cpu"]
+    gen = torch.Generator().manual_seed(0)
+    values = [torch.randn(5000, generator=gen), torch.randn(300, generator=gen)]
+    grads = [[torch.randn(v.shape, generator=gen) for v in values] for _ in range(3)]
+    for dtype in (torch.float32, torch.bfloat16):
+        # The reference: the state as float32 on the CPU, the fused step by hand.
+        master = [v.to(dtype).float() for v in values]
+        m, v2 = [torch.zeros_like(x) for x in master], [torch.zeros_like(x) for x in master]
+        out = [x.to(dtype) for x in master]
+        for step, gs in enumerate(grads, 1):
+            for i, g in enumerate(gs):
+                _C._adamw_step_(master[i], g.to(dtype), m[i], v2[i], None, out[i] if dtype != torch.float32 else None,
+                                step, hyper["lr"], 0.9, 0.99, 1e-8, 0.1, False, False)
+        want = out if dtype != torch.float32 else master
+        for engine in engines:
+            params = [torch.nn.Parameter(x.to(device=device, dtype=dtype)) for x in values]
+            opt = OffloadAdamW(params, step_on=engine, min_offload_numel=1000, **hyper)
+            for gs in grads:
+                for p, g in zip(params, gs):
+                    p.grad = g.to(device=device, dtype=dtype)
+                opt.step()
+            for p, w in zip(params, want):
+                if not torch.equal(p.detach().cpu().view(torch.int16), w.view(torch.int16)):
+                    raise RuntimeError(f"OffloadAdamW(step_on={engine!r}) on {device} in {dtype} differs from the "
+                                       "CPU reference step")
+    return f"OffloadAdamW steps bit-identical to the CPU reference (engines: {', '.join(engines)}; {device})"
+
+
 def run(quick: bool = False) -> int:
     build = hf_platform.build_info()
     flavor = hf_platform.torch_flavor()
@@ -174,6 +210,10 @@ def run(quick: bool = False) -> int:
             w(f"  transfers       {transfer_self_test('cuda' if runtime_devices > 0 and torch_devices > 0 else 'cpu')}\n")
         except RuntimeError as e:
             problems.append(f"transfer self-test failed: {e}")
+        try:
+            w(f"  optimizer       {optimizer_self_test('cuda' if runtime_devices > 0 and torch_devices > 0 else 'cpu')}\n")
+        except RuntimeError as e:
+            problems.append(f"optimizer self-test failed: {e}")
         try:
             w(f"  pinned pool     {describe_pool(runtime_devices > 0 and torch_devices > 0)}\n")
         except RuntimeError as e:

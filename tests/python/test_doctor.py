@@ -17,6 +17,7 @@ def test_doctor_runs_and_reports_ok_here():
     assert "host memory     copy" in r.stdout and "GB/s" in r.stdout
     assert "pinned pool     " in r.stdout and "MiB cold in" in r.stdout
     assert "transfers       prefetch/offload round trips exact on " in r.stdout
+    assert "optimizer       OffloadAdamW steps bit-identical to the CPU reference" in r.stdout
     assert r.stdout.rstrip().endswith("status: OK")
 
 
@@ -55,3 +56,13 @@ def test_build_info_fields():
     assert b["target"] in ("rocm", "cuda", "cpu")
     assert (b["architectures"] == "") == (b["target"] == "cpu")
     assert isinstance(b["cpu_f16c"], bool)
+
+
+def test_optimizer_self_test_catches_a_wrong_step(monkeypatch):
+    assert "bit-identical" in doctor.optimizer_self_test("cpu")
+    from hipferry.optim import offload_adamw
+    real = offload_adamw.OffloadAdamW._hyper
+    monkeypatch.setattr(offload_adamw.OffloadAdamW, "_hyper",
+                        lambda self, group: dict(real(self, group), eps=2e-8))  # a subtly wrong step
+    with pytest.raises(RuntimeError, match="differs from the CPU reference step"):
+        doctor.optimizer_self_test("cpu")

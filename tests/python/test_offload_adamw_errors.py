@@ -223,6 +223,8 @@ def test_pool_too_small_for_the_state_raises_at_construction(layout):
         assert capacity in numbers, f"the capacity ({capacity}) should be in {message!r}"
         assert any(state_bytes <= n < capacity + state_bytes + keep_bytes + MiB for n in numbers
                    if n != capacity), f"the bytes needed (>= {state_bytes}) should be in {message!r}"
+        shortfall = state_bytes - (capacity - keep_bytes)
+        assert f"short by {shortfall / MiB:.2f} MiB ({shortfall} bytes)" in message, message
         if keep is not None:
             assert int(keep.sum()) == 7 * keep_bytes, "memory in use in the pool was touched"
         small_model = [torch.nn.Parameter(torch.randn(1000))]  # what fits still works in the small pool

@@ -136,10 +136,13 @@ class OffloadAdamW(torch.optim.Optimizer):
             states.clear()  # gives back what this call took, before the pool's figures are read
             st = {}
             stats = self._pool.stats()
+            cap = self._pool.capacity
+            short = (f", short by {format_bytes(need - (cap - stats['allocated_bytes']))}"
+                     if cap is not None and need > cap - stats["allocated_bytes"] else "")
             raise torch.OutOfMemoryError(
                 f"OffloadAdamW: the pool cannot hold the optimizer state: it needs {format_bytes(need)} for "
-                f"{len(plan)} parameters; pool capacity {format_bytes(self._pool.capacity)}, "
-                f"{format_bytes(stats['allocated_bytes'])} in use. Pass a larger pool "
+                f"{len(plan)} parameters; pool capacity {format_bytes(cap)}, "
+                f"{format_bytes(stats['allocated_bytes'])} in use{short}. Pass a larger pool "
                 f"(pool=hipferry.PinnedPool(capacity=...)). ({e})") from None
         for (p, lp, where, _), st in zip(plan, states):
             self.state[p] = st
