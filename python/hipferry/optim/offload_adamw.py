@@ -235,8 +235,6 @@ class OffloadAdamW(torch.optim.Optimizer):
             else:
                 self._unscale([p for _, p in work], self.grad_scale)
         self._wait_copies_back()  # the host buffers the last step sent back are written again below
-        if self.step_on == "cpu":
-            self._sync_streamers()  # the engine changed: the host reads state the GPU may still write
         streamed: Dict[tuple, list] = {}
         host_gpu = []
         for group, p in work:
