@@ -19,26 +19,8 @@
 #include <immintrin.h>
 #define HIPFERRY_HAVE_F16C_PATH 1
 #endif
-// With GCC, an AVX2 (x86-64-v3) clone of the portable loop, chosen by the
-// loader at run time: one binary, fast on new CPUs, still correct on old ones.
-// (Clang does not clone templates yet; it gets the baseline loop.)
-#if defined(HIPFERRY_HAVE_F16C_PATH) && !defined(__clang__)
-#define HIPFERRY_CPU_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define HIPFERRY_CPU_CLONES
-#endif
-
 namespace hipferry {
 namespace {
-
-template <class From, class To>
-HIPFERRY_CPU_CLONES void convert_range_portable(const typename From::storage* __restrict src,
-                            typename To::storage* __restrict dst, std::int64_t n) {
-#pragma omp simd
-  for (std::int64_t i = 0; i < n; ++i) {
-    dst[i] = convert_element<From, To>(src[i]);
-  }
-}
 
 #ifdef HIPFERRY_HAVE_F16C_PATH
 bool cpu_has_f16c() {
@@ -47,7 +29,37 @@ bool cpu_has_f16c() {
   static const bool has = __builtin_cpu_supports("avx2");
   return has;
 }
+#endif
 
+template <class From, class To>
+[[gnu::always_inline]] inline void convert_body(const typename From::storage* __restrict src,
+                                                typename To::storage* __restrict dst, std::int64_t n) {
+#pragma omp simd
+  for (std::int64_t i = 0; i < n; ++i) {
+    dst[i] = convert_element<From, To>(src[i]);
+  }
+}
+
+#ifdef HIPFERRY_HAVE_F16C_PATH
+// An AVX2 build of the portable loop, picked at run time: one binary, fast on
+// new CPUs, still correct on old ones. By hand rather than with target_clones,
+// which Clang (ROCm's host compiler) cannot apply to templates.
+template <class From, class To>
+__attribute__((target("avx2"))) void convert_range_avx2(const typename From::storage* src,
+                                                         typename To::storage* dst, std::int64_t n) {
+  convert_body<From, To>(src, dst, n);
+}
+#endif
+
+template <class From, class To>
+void convert_range_portable(const typename From::storage* src, typename To::storage* dst, std::int64_t n) {
+#ifdef HIPFERRY_HAVE_F16C_PATH
+  if (cpu_has_f16c()) return convert_range_avx2<From, To>(src, dst, n);
+#endif
+  convert_body<From, To>(src, dst, n);
+}
+
+#ifdef HIPFERRY_HAVE_F16C_PATH
 __attribute__((target("avx,f16c"))) void f32_to_f16_f16c(const float* src, std::uint16_t* dst,
                                                        std::int64_t n) {
   std::int64_t i = 0;
