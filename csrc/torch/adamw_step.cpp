@@ -50,14 +50,8 @@ void adamw_step(at::Tensor param, const at::Tensor& grad, at::Tensor exp_avg, at
   if (amsgrad) check_state(*max_exp_avg_sq, "max_exp_avg_sq", param, true);
   if (param_out) check_state(*param_out, "param_out", param, false);
 
-  optim::AdamWHyper h;
-  h.lr = lr;
-  h.beta1 = beta1;
-  h.beta2 = beta2;
-  h.eps = eps;
-  h.weight_decay = weight_decay;
-  h.amsgrad = amsgrad;
-  h.maximize = maximize;
+  const optim::AdamWHyper h{.lr = lr, .beta1 = beta1, .beta2 = beta2, .eps = eps, .weight_decay = weight_decay,
+                           .amsgrad = amsgrad, .maximize = maximize};
   const optim::AdamWScalars s = optim::adamw_scalars(h, step);
   optim::AdamWArrays a;
   a.param = param.data_ptr<float>();

@@ -226,14 +226,8 @@ void bind_adamw_streamer(py::module_& m) {
               std::vector<StreamedParam> ps(n);
               for (std::size_t i = 0; i < n; ++i)
                 ps[i] = StreamedParam{params[i], grads[i], masters[i], exp_avgs[i], exp_avg_sqs[i], maxes[i]};
-              optim::AdamWHyper h;
-              h.lr = lr;
-              h.beta1 = beta1;
-              h.beta2 = beta2;
-              h.eps = eps;
-              h.weight_decay = weight_decay;
-              h.amsgrad = amsgrad;
-              h.maximize = maximize;
+              const optim::AdamWHyper h{.lr = lr, .beta1 = beta1, .beta2 = beta2, .eps = eps,
+                                        .weight_decay = weight_decay, .amsgrad = amsgrad, .maximize = maximize};
               py::gil_scoped_release no_gil;
               self.step(ps, optim::adamw_scalars(h, step));
             });

@@ -41,6 +41,10 @@ class _Slot:
     copied_grad: Optional[torch.Tensor] = None  # the gradient tensor that copy read ...
     copied_version: int = -1                   # ... and its version then (a change means: copy again)
 
+    def copy_is_current(self, grad: torch.Tensor) -> bool:
+        """A gradient copy was started and `grad` is the same tensor, unchanged since."""
+        return self.grad_copy is not None and self.copied_grad is grad and self.copied_version == grad._version
+
 
 class OffloadAdamW(torch.optim.Optimizer):
     """torch.optim.AdamW with its state in pinned host memory (see module doc)."""
@@ -200,12 +204,13 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def _host_grad(self, p: torch.Tensor, slot: _Slot) -> torch.Tensor:
         grad = local(p.grad)
-        copy, copied = slot.grad_copy, slot.copied_grad
-        slot.grad_copy, slot.copied_grad = None, None
-        self.grad_copies_reused += copy is not None and slot.copied_version == grad._version and _same(copied, grad)
-        if copy is None or slot.copied_version != grad._version or not _same(copied, grad):
+        if slot.copy_is_current(grad):
+            copy = slot.grad_copy
+            self.grad_copies_reused += 1
+        else:
             copy = offload(grad, pool=self._pool)  # changed since the hook (accumulation, clipping, scaling)
             self.grad_copies_made_at_step += 1
+        slot.grad_copy, slot.copied_grad = None, None
         return copy.wait()
 
     # ----------------------------------------------------------------- step
@@ -274,8 +279,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         groups: Dict[tuple, list] = {}
         for p in params:
             slot, grad = self._slots[p], local(p.grad)
-            if slot.grad_copy is not None and slot.copied_version == grad._version and \
-                    _same(slot.copied_grad, grad):
+            if slot.copy_is_current(grad):
                 host = slot.grad_copy.wait()
                 slot.grad_copy = _Done(host)
                 grad = host
@@ -409,8 +413,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         copied = []
         for p in params:
             slot = self._slots.get(p)
-            if slot is not None and slot.grad_copy is not None and _same(slot.copied_grad, local(p.grad)) \
-                    and slot.copied_version == local(p.grad)._version:
+            if slot is not None and slot.copy_is_current(local(p.grad)):
                 copied.append((p, slot, slot.grad_copy.wait()))
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
         if copied:
@@ -489,10 +492,6 @@ class _Done:
 
     def wait(self) -> torch.Tensor:
         return self._host
-
-
-def _same(a: Optional[torch.Tensor], b: torch.Tensor) -> bool:
-    return a is not None and a is b
 
 
 def _as_local(t: Any) -> torch.Tensor:
