@@ -6,6 +6,7 @@ import torch  # noqa: F401  (loads libc10/libtorch before the extension)
 
 from . import _C  # noqa: F401  (registers torch.ops.hipferry.*)
 from . import optim  # noqa: F401  (hipferry.optim.OffloadAdamW)
+from .offload import LayerOffload, offload_activations, offload_layers
 from .ops import copy_cast_
 from .platform import build_info, device_count, device_info
 from .pool import PinnedPool, configure_default_pool, default_pool, pin
@@ -14,5 +15,5 @@ from .transfer import Transfer, configure_transfers, offload, prefetch, transfer
 
 __all__ = ["copy_cast_", "build_info", "device_count", "device_info", "PinnedPool", "default_pool",
            "configure_default_pool", "pin", "prefetch", "offload", "Transfer", "transfer_stats",
-           "configure_transfers", "trace", "trace_region", "Trace", "optim", "__version__"]
+           "configure_transfers", "offload_layers", "LayerOffload", "offload_activations", "trace", "trace_region", "Trace", "optim", "__version__"]
 __version__ = "0.1.0"

@@ -331,6 +331,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         _C._adamw_step_(master if master is not None else lp, grad, st["exp_avg"], st["exp_avg_sq"],
                         st.get("max_exp_avg_sq") if group["amsgrad"] else None,
                         lp if master is not None else None, step, **self._hyper(group))
+        torch.autograd.graph.increment_version(lp)  # written through a raw pointer: say so (offload_layers reads it)
         self._slots[p].param_version = lp._version
 
     def _step_host_for_gpu(self, group: dict, p: torch.Tensor, step: int) -> None:
@@ -368,6 +369,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             lists["max_exp_avg_sqs"].append(st.get("max_exp_avg_sq") if group["amsgrad"] else None)
         streamer.step(**lists, step=step, **self._hyper(group))
         for _, p in items:
+            torch.autograd.graph.increment_version(local(p))  # written by our kernel, unseen by autograd
             self._slots[p].param_version = local(p)._version
 
     # ------------------------------------------------------------ utilities

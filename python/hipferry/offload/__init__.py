@@ -1,0 +1,7 @@
+"""Module offload: blocks' weights in pinned host memory with look-ahead
+prefetch (:func:`offload_layers`), and saved activations offloaded during
+training (:class:`offload_activations`)."""
+from .activations import offload_activations
+from .layers import LayerOffload, offload_layers
+
+__all__ = ["offload_layers", "LayerOffload", "offload_activations"]

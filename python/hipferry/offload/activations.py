@@ -1,0 +1,263 @@
+"""``with hipferry.offload_activations(...)``: tensors saved for backward wait in
+pinned host memory instead of device memory.
+
+Note [offloaded activations]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+* Forward (pack hook): a saved tensor worth moving starts ``hipferry.offload``
+  at once -- on the engine's device->host stream, after the work queued so
+  far on the current stream, into the pool -- and autograd keeps only the
+  record. The engine holds the device tensor until its copy is complete; each
+  pack settles the copies that have completed (their device memory is let go)
+  and, when more than ``max_in_flight`` bytes would be in flight, blocks on the
+  oldest first. So device memory held by copies in flight stays bounded.
+* Backward (unpack hook): the record is brought back with ``hipferry.prefetch``
+  (the current stream waits for the copy, not the host), and the records
+  packed just before it -- what backward needs next, it runs in reverse --
+  are prefetched while their bytes fit in ``max_in_flight``.
+* Not moved (kept as autograd keeps them, or passed to hooks outside this
+  context): tensors under ``min_bytes``; parameters, leaves that require grad
+  and views of parameters (kept anyway); tensor subclasses, sparse and
+  non-dense layouts; ring slots of ``offload_layers`` (its own hook handles
+  them). A tensor saved twice is moved once.
+* Values round-trip exactly and the layout (strides) is restored, so
+  gradients are bit-identical to the same step without the context.
+* On the CPU (tensors on "cpu") the same schedule runs through the engine's
+  worker thread; it saves no memory there and exists so scripts run
+  unchanged and the schedule is tested everywhere.
+"""
+import weakref
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Deque, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from ..pool import PinnedPool, default_pool, parse_bytes
+from ..transfer import offload, prefetch
+from .saved_hooks import Passed, current_hooks
+
+API = "hipferry.offload_activations"
+
+
+@dataclass
+class ActivationStats:
+    offloaded_tensors: int = 0
+    offloaded_bytes: int = 0
+    deduplicated: int = 0         # saves of a tensor already offloaded
+    kept_small: int = 0           # under min_bytes
+    kept_params: int = 0          # parameters, leaves requiring grad, views of parameters
+    kept_other: int = 0           # subclasses, sparse, non-dense, other devices
+    forward_waits: int = 0        # packs that blocked because max_in_flight was reached
+    peak_in_flight_bytes: int = 0
+    prefetch_hits: int = 0        # unpacked: prefetched and already copied
+    prefetch_late: int = 0        # unpacked: prefetched, copy still running (the stream waits)
+    prefetch_misses: int = 0      # unpacked: not prefetched, copied on demand
+    peak_prefetched_bytes: int = 0
+
+
+class _Record:
+    """What autograd keeps of an offloaded tensor."""
+    __slots__ = ("index", "device", "size", "stride", "perm", "nbytes", "transfer", "source", "host", "ahead",
+                 "saves", "unpacks", "device_copy", "__weakref__")
+
+    def __init__(self, index: int, t: torch.Tensor, perm: List[int]):
+        self.index, self.device, self.size, self.stride, self.perm = index, t.device, t.size(), t.stride(), perm
+        self.nbytes = t.numel() * t.element_size()
+        self.transfer = None   # the device->host copy until settled
+        self.source = t        # the tensor itself until settled (the engine holds it anyway)
+        self.saves = 1         # times autograd saved it (the same tensor saved again is moved once)
+        self.unpacks = 0
+        self.device_copy = None  # brought back, kept for the remaining unpacks of a tensor saved twice
+        self.host = None       # pool tensor once settled (lives as long as autograd keeps the record)
+        self.ahead = None      # Transfer of a prefetch back, until unpacked
+
+
+def _dense_permutation(t: torch.Tensor) -> Optional[List[int]]:
+    """Dims ordered so that t.permute(perm) is contiguous, or None if t is not
+    dense (has gaps or overlaps)."""
+    if t.is_contiguous():
+        return list(range(t.dim()))
+    perm = sorted(range(t.dim()), key=lambda d: (-t.stride(d), -t.size(d)))
+    return perm if t.permute(perm).is_contiguous() else None
+
+
+def _inverse(perm: List[int]) -> List[int]:
+    inverse = [0] * len(perm)
+    for i, d in enumerate(perm):
+        inverse[d] = i
+    return inverse
+
+
+class offload_activations(torch.autograd.graph.saved_tensors_hooks):
+    """Context manager: saved activations of at least ``min_bytes`` go to the
+    pool during forward and come back ahead of use during backward.
+
+    ``min_bytes``: smaller saved tensors stay (default 1 MiB). ``max_in_flight``:
+    device bytes that copies in flight may hold, in each direction (default
+    256 MiB). ``pool``: host memory (default pool). See Note [offloaded
+    activations]. ``stats()`` gives the counters of everything run under it.
+    """
+
+    def __init__(self, *, min_bytes: Any = 1 << 20, max_in_flight: Any = 256 << 20,
+                 pool: Optional[PinnedPool] = None):
+        for name, v in (("min_bytes", min_bytes), ("max_in_flight", max_in_flight)):
+            if isinstance(v, bool) or not isinstance(v, (int, str)):
+                raise TypeError(f"{API}: {name} must be a byte count (int or a string like '64MiB'), got {v!r}")
+        self.min_bytes = parse_bytes(min_bytes, "offload_activations: min_bytes")
+        self.max_in_flight = parse_bytes(max_in_flight, "offload_activations: max_in_flight")
+        if self.max_in_flight <= 0:
+            raise ValueError(f"{API}: max_in_flight must be > 0 bytes, got {max_in_flight!r}")
+        if pool is None:
+            pool = default_pool()
+        if not isinstance(pool, PinnedPool):
+            raise TypeError(f"{API}: pool must be a hipferry.PinnedPool or None, got {type(pool).__name__}")
+        pool._open_id("offload_activations")
+        self.pool = pool
+        self._stats = ActivationStats()
+        self._outer: List[Any] = []
+        self._in_flight: Deque[_Record] = deque()
+        self._in_flight_bytes = 0
+        self._records: List[weakref.ref] = []         # in pack order (records die with their graph)
+        self._compact_at = 1024                       # list length that triggers dropping dead entries
+        self._by_tensor: Dict[int, Tuple[weakref.ref, weakref.ref, int]] = {}  # id -> (tensor, record, version)
+        self._ahead: "weakref.WeakSet[_Record]" = weakref.WeakSet()             # records prefetched back
+        super().__init__(self._pack, self._unpack)
+
+    def __enter__(self):
+        self._outer.append(current_hooks())
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._outer.pop()
+
+    def stats(self) -> dict:
+        return dict(vars(self._stats), in_flight_bytes=self._in_flight_bytes)
+
+    # ------------------------------------------------------------ forward
+    def _keep_reason(self, t: torch.Tensor) -> Optional[str]:
+        if isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad) or isinstance(t._base, nn.Parameter):
+            return "kept_params"
+        if type(t) is not torch.Tensor or t.layout != torch.strided or t.device.type not in ("cuda", "cpu"):
+            return "kept_other"
+        if t.numel() == 0 or t.numel() * t.element_size() < self.min_bytes:
+            return "kept_small"
+        return None
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        outer = self._outer[-1] if self._outer else None
+        why = self._keep_reason(t)
+        perm = None if why else _dense_permutation(t)
+        if why is None and perm is None:
+            why = "kept_other"
+        if why is not None:
+            setattr(self._stats, why, getattr(self._stats, why) + 1)
+            return Passed(outer, t)
+        # The same tensor object saved again (unchanged) is moved once. Identity, not
+        # address: freed device memory is reused by new tensors at once.
+        seen = self._by_tensor.get(id(t))
+        if seen is not None and seen[0]() is t and seen[1]() is not None and seen[2] == t._version:
+            self._stats.deduplicated += 1
+            seen[1]().saves += 1
+            return seen[1]()
+        if len(self._records) >= self._compact_at:
+            self._compact()
+        rec = _Record(len(self._records), t, perm)
+        self._settle_completed()
+        while self._in_flight and self._in_flight_bytes + rec.nbytes > self.max_in_flight:
+            self._stats.forward_waits += 1
+            self._settle(self._in_flight[0])
+        rec.transfer = offload(t.permute(perm), pool=self.pool)
+        self._in_flight.append(rec)
+        self._in_flight_bytes += rec.nbytes
+        s = self._stats
+        s.peak_in_flight_bytes = max(s.peak_in_flight_bytes, self._in_flight_bytes)
+        s.offloaded_tensors += 1
+        s.offloaded_bytes += rec.nbytes
+        self._records.append(weakref.ref(rec))
+        self._by_tensor[id(t)] = (weakref.ref(t), weakref.ref(rec), t._version)
+        return rec
+
+    def _compact(self) -> None:
+        alive = [r for r in (w() for w in self._records) if r is not None]
+        for i, r in enumerate(alive):
+            r.index = i
+        self._records = [weakref.ref(r) for r in alive]
+        self._by_tensor = {k: v for k, v in self._by_tensor.items() if v[0]() is not None and v[1]() is not None}
+        self._compact_at = max(1024, 2 * len(self._records))
+
+    def _settle_completed(self) -> None:
+        while self._in_flight and self._in_flight[0].transfer.ready():
+            self._settle(self._in_flight[0])
+
+    def _settle(self, rec: _Record) -> None:
+        """Host copy of `rec` in hand; the engine lets go of the device tensor."""
+        if rec.transfer is None:
+            return
+        rec.host = rec.transfer.wait()
+        rec.transfer, rec.source = None, None
+        try:
+            self._in_flight.remove(rec)
+            self._in_flight_bytes -= rec.nbytes
+        except ValueError:
+            pass
+
+    # ------------------------------------------------------------ backward
+    def _unpack(self, obj: Any) -> torch.Tensor:
+        if isinstance(obj, Passed):
+            return obj.get()
+        rec: _Record = obj
+        s = self._stats
+        rec.unpacks += 1
+        if rec.device_copy is not None or rec.source is not None:
+            # Still on the device: saved twice and brought back already, or
+            # unpacked before its copy out was settled (the last ones of forward).
+            t = rec.device_copy if rec.device_copy is not None else rec.source
+            s.prefetch_hits += 1
+            if rec.transfer is not None:  # keep the tensor instead of the copy out (dropped unwaited: safe)
+                self._in_flight.remove(rec)
+                self._in_flight_bytes -= rec.nbytes
+                rec.transfer = None
+            if rec.unpacks >= rec.saves:
+                rec.device_copy = None
+            self._prefetch_before(rec.index)
+            return t if t is rec.source else t.permute(_inverse(rec.perm))
+        if rec.ahead is not None:
+            late = not rec.ahead.ready()
+            s.prefetch_late += int(late)
+            s.prefetch_hits += int(not late)
+            t = rec.ahead.wait()
+            rec.ahead = None
+        else:
+            s.prefetch_misses += 1
+            self._settle(rec)
+            t = prefetch(rec.host, rec.device, pool=self.pool).wait()
+        if rec.unpacks < rec.saves:
+            rec.device_copy = t
+        self._prefetch_before(rec.index)
+        return t.permute(_inverse(rec.perm))
+
+    def _prefetch_before(self, index: int) -> None:
+        """Start bringing back what backward needs next: records packed before `index`."""
+        s = self._stats
+        ahead = sum(r.nbytes for r in list(self._ahead) if r.ahead is not None)
+        i = index - 1
+        while i >= 0:
+            rec = self._records[i]()
+            i -= 1
+            if rec is None or rec.ahead is not None:
+                continue
+            if ahead + rec.nbytes > self.max_in_flight:
+                break
+            self._settle(rec)
+            rec.ahead = prefetch(rec.host, rec.device, pool=self.pool)
+            self._ahead.add(rec)
+            ahead += rec.nbytes
+            s.peak_prefetched_bytes = max(s.peak_prefetched_bytes, ahead)
+        # Records that autograd has let go of need no place in the list.
+        while self._records and self._records[-1]() is None:
+            self._records.pop()

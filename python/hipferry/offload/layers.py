@@ -1,0 +1,460 @@
+"""``hipferry.offload_layers``: a model's blocks run from a small ring of device
+buffers while their weights live in pinned host memory.
+
+Note [offloaded blocks]
+~~~~~~~~~~~~~~~~~~~~~~~
+* The user's ``nn.Parameter`` objects stay the parameters: their ``.data``
+  becomes a view of the block's pinned host buffer (in ``dtype`` if given).
+  Optimizers, ``state_dict`` and ``load_state_dict`` see host tensors.
+* Each block's ``forward`` is wrapped (an instance attribute, as accelerate
+  does): it acquires the block's ring slot (see Note [layer ring]), puts fresh
+  device tensors of the slot in the place of the parameters for the call, and
+  puts the parameters back afterwards (also on an exception).
+* With grad enabled, each device tensor comes from ``_DeviceWeight``, whose
+  backward sends the weight gradient device->host (``hipferry.offload``, on the
+  copy stream, into the pool) as soon as backward produces it; at the end of
+  backward the copies are waited for and accumulated into the parameters'
+  ``.grad`` on the host -- summed in arrival order, then added once, as
+  autograd's AccumulateGrad does -- and post-accumulate-grad hooks run. So an
+  optimizer (OffloadAdamW's CPU step, or any CPU optimizer) steps the host
+  weights in place. ``torch.autograd.grad`` with the host parameters as
+  inputs is not supported (they get no gradient through it).
+* Weights that autograd saves for backward are not kept: a saved-tensor hook
+  recognizes views of ring slots and saves (block, offset, shape, stride);
+  backward brings the block in again, prefetching in reverse order the blocks
+  that still have saved weights. Other saved tensors go to the hooks outside
+  (activation checkpointing, ``offload_activations``), see saved_hooks.py.
+* Prediction: the block order of the last complete call of the model (list
+  order before one) -- forward continues along it (then wraps around for the
+  next call without grad, or turns back for backward with grad).
+* Parameters shared between blocks, or between a block and the rest of the
+  model, stay on the device (``stats()["resident_shared"]``). Buffers stay on
+  the device: forward may update them (BatchNorm statistics).
+"""
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from ..pool import PinnedPool, default_pool
+from ..transfer import offload
+from .block_layout import Block, check_layers, default_layers, plan_blocks
+from .layer_ring import LayerRing
+from .saved_hooks import Passed, current_hooks
+
+API = "hipferry.offload_layers"
+
+
+class _Box:
+    """Hides a tensor from autograd's input detection."""
+    __slots__ = ("t",)
+
+    def __init__(self, t: torch.Tensor):
+        self.t = t
+
+
+class _DeviceWeight(torch.autograd.Function):
+    """Device copy of a host parameter; its gradient goes back to the host."""
+
+    @staticmethod
+    def forward(ctx, host_param, box, sink, entry):
+        ctx.sink, ctx.entry = sink, entry
+        return box.t
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.sink.add(ctx.entry, grad)
+        return None, None, None, None
+
+
+class _GradSink:
+    """Weight gradients copied device->host during backward, accumulated at its end."""
+
+    def __init__(self, pool: PinnedPool, after_flush: Callable[[], None]):
+        self.pool = pool
+        self.after_flush = after_flush  # optimizers step after backward: resident copies go stale
+        self.pending: Dict[int, Tuple[Any, List[Any]]] = {}
+        self.queued = False
+        self.bytes_moved = 0
+
+    def add(self, entry, grad: torch.Tensor) -> None:
+        if not self.queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self.flush)
+            self.queued = True
+        dtype = entry.host_dtype if entry.host_dtype != grad.dtype else None
+        self.pending.setdefault(id(entry.param), (entry, []))[1].append(offload(grad, dtype=dtype, pool=self.pool))
+        self.bytes_moved += grad.numel() * entry.host_dtype.itemsize
+
+    def flush(self) -> None:
+        pending, self.pending, self.queued = self.pending, {}, False
+        self.after_flush()
+        for entry, transfers in pending.values():
+            grads = [t.wait() for t in transfers]
+            total = grads[0]
+            for g in grads[1:]:
+                total.add_(g)
+            p = entry.param
+            with torch.no_grad():
+                if p.grad is None:
+                    p.grad = total
+                else:
+                    p.grad.add_(total)
+            for hook in list((getattr(p, "_post_accumulate_grad_hooks", None) or {}).values()):
+                hook(p)
+
+
+class _WeightRef:
+    """What autograd keeps of a saved weight view: where it is, not its memory."""
+    __slots__ = ("owner", "block", "dtype", "size", "stride", "offset", "versions", "__weakref__")
+
+    def __init__(self, owner: "LayerOffload", block: int, t: torch.Tensor, versions: Tuple[int, ...]):
+        self.owner, self.block = owner, block
+        self.dtype, self.size, self.stride, self.offset = t.dtype, t.size(), t.stride(), t.storage_offset()
+        self.versions = versions
+        owner._live[block] += 1
+
+    def __del__(self):
+        self.owner._live[self.block] -= 1
+
+
+class LayerOffload:
+    """Handle returned by :func:`offload_layers`: counters, and ``undo()``."""
+
+    def __init__(self, model: nn.Module, blocks: List[Block], shared: List[str], ring: LayerRing,
+                 prefetch: int, pool: PinnedPool, moved: List[Callable[[], None]]):
+        self.model, self.blocks, self.ring, self.prefetch, self.pool = model, blocks, ring, prefetch, pool
+        self.device = ring.device
+        self.resident_shared = shared
+        self._moved_back = moved
+        self._sink = _GradSink(pool, ring.invalidate)
+        self._live = [0] * len(blocks)
+        self._order = list(range(len(blocks)))  # blocks in call order of the last complete model call
+        self._pass: Optional[List[int]] = None  # of the model call running now
+        self._pos = 0
+        self._bpos = 0
+        self._closed = False
+        self._hooks = [model.register_forward_pre_hook(self._pass_start),
+                       model.register_forward_hook(self._pass_end, always_call=True)]
+        self._forwards = []
+        for blk in blocks:
+            self._forwards.append(blk.module.__dict__.get("forward"))
+            blk.module.forward = self._wrap(blk.index, blk.module.forward)
+            blk.module._hipferry_offload = weakref.ref(self)
+
+    # ------------------------------------------------------------ public
+    def stats(self) -> dict:
+        s = self.ring.stats
+        return {"blocks": len(self.blocks), "ring_slots": len(self.ring.slots), "prefetch": self.prefetch,
+                "device_bytes": self.ring.device_bytes, "slot_bytes": self.ring.slot_bytes,
+                "host_bytes": sum(b.host_bytes for b in self.blocks),
+                "fetches": s.fetches, "prefetches": s.prefetches, "bytes_moved": s.bytes_moved,
+                "hits": s.hits, "late": s.late, "misses": s.misses, "stalls": s.stalls, "reused": s.reused,
+                "slot_reuses": s.slot_reuses, "grad_bytes_moved": self._sink.bytes_moved,
+                "resident_shared": list(self.resident_shared)}
+
+    @property
+    def log(self) -> List[Tuple[str, int, int]]:
+        """Recent ring events, oldest first: (what, block, slot) with what in
+        fetch / prefetch (a copy started) and hit / late / miss / reused (a use)."""
+        return list(self.ring.stats.log)
+
+    @property
+    def block_names(self) -> List[str]:
+        return [b.name for b in self.blocks]
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def invalidate(self) -> None:
+        """Say that host weights changed in a way parameter versions do not show
+        (writes through ``.data`` or raw pointers): resident copies are refreshed."""
+        self.ring.invalidate()
+
+    def synchronize(self) -> None:
+        """Block until the ring's copies in flight are done."""
+        if not self._closed:
+            self.ring.synchronize()
+
+    def undo(self) -> None:
+        """Put every offloaded weight back where and in the dtype it was (with its
+        current value and gradient), restore the blocks' forward and the rest
+        of the model's placement, and free the ring and host buffers."""
+        if self._closed:
+            return
+        self.ring.synchronize()
+        for h in self._hooks:
+            h.remove()
+        for blk, fwd in zip(self.blocks, self._forwards):
+            if fwd is None:
+                blk.module.__dict__.pop("forward", None)
+            else:
+                blk.module.forward = fwd
+            blk.module.__dict__.pop("_hipferry_offload", None)
+        with torch.no_grad():
+            for blk in self.blocks:
+                for e in blk.entries:
+                    p = e.param
+                    grad = p.grad
+                    p.grad = None
+                    p.data = p.data.to(device=e.orig_device, dtype=e.device_dtype, copy=True)
+                    if grad is not None:
+                        p.grad = grad.to(device=e.orig_device, dtype=e.device_dtype)
+                for seg in blk.segments:
+                    seg.host = None
+            for move_back in self._moved_back:
+                move_back()
+        self.ring.close()
+        self._closed = True
+
+    def __repr__(self) -> str:
+        if self._closed:
+            return "hipferry.LayerOffload(undone)"
+        s = self.stats()
+        return (f"hipferry.LayerOffload({s['blocks']} blocks on the host ({s['host_bytes']} bytes), ring of "
+                f"{s['ring_slots']} x {s['slot_bytes']} bytes on {self.device}; hits {s['hits']}, "
+                f"stalls {s['stalls']})")
+
+    # ------------------------------------------------------------ prediction
+    def _pass_start(self, module, args) -> None:
+        if torch._C._current_graph_task_id() == -1:
+            self._pass, self._pos = [], 0
+            # The first blocks start copying while what precedes them (embeddings) runs.
+            self.ring.prefetch(self._order[:self.prefetch], self._order)
+
+    def _pass_end(self, module, args, output) -> None:
+        if self._pass:
+            self._order = self._pass
+        self._pass = None
+
+    def _forward_future(self, b: int) -> List[int]:
+        order = self._order
+        if self._pass is not None:
+            self._pass.append(b)
+        j = self._pos if self._pos < len(order) and order[self._pos] == b else None
+        if j is None:
+            later = [i for i in range(self._pos, len(order)) if order[i] == b]
+            anywhere = [i for i, x in enumerate(order) if x == b]
+            j = later[0] if later else (anywhere[0] if anywhere else None)
+        if j is None:
+            return list(order)
+        self._pos = j + 1
+        then = list(reversed(order)) if torch.is_grad_enabled() else list(order)
+        return order[j + 1:] + then
+
+    def _backward_future(self, b: int) -> List[int]:
+        rev = list(reversed(self._order))
+        k = rev.index(b) if b in rev else 0
+        return [x for x in rev[k + 1:] + rev[:k] if self._live[x] > 0 and x != b]
+
+    # ------------------------------------------------------------ running a block
+    def _wrap(self, b: int, fwd: Callable) -> Callable:
+        def forward(*args, **kwargs):
+            return self._run(b, fwd, args, kwargs)
+        forward.__wrapped__ = fwd
+        return forward
+
+    def _check_entries(self, blk: Block) -> None:
+        for e in blk.entries:
+            p = e.param
+            if p.device.type != "cpu" or p.data_ptr() != e.host_ptr:
+                raise RuntimeError(f"{API}: parameter {e.name!r} was moved or replaced after offload_layers "
+                                   "(e.g. by model.to() or assigning .data); call handle.undo() first")
+
+    def _run(self, b: int, fwd: Callable, args: tuple, kwargs: dict) -> Any:
+        if self._closed:
+            raise RuntimeError(f"{API}: this offload was undone; the block runs unmodified")
+        blk = self.blocks[b]
+        self._check_entries(blk)
+        in_backward = torch._C._current_graph_task_id() != -1  # recomputation by activation checkpointing
+        future = self._backward_future(b) if in_backward else self._forward_future(b)
+        slot = self.ring.acquire(b, future, self.prefetch, pin=True)
+        try:
+            tensors = self.ring.tensors(b, slot)
+            grad_mode = torch.is_grad_enabled()
+            if grad_mode:
+                tensors = [_DeviceWeight.apply(e.param, _Box(t), self._sink, e) if e.param.requires_grad else t
+                           for e, t in zip(blk.entries, tensors)]
+            for e, t in zip(blk.entries, tensors):
+                for m, attr in e.refs:
+                    m._parameters[attr] = t
+            try:
+                if not grad_mode:
+                    return fwd(*args, **kwargs)
+                outer = current_hooks()
+                versions = self.ring._versions(b)
+                with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(outer, versions, t),
+                                                              self._unpack):
+                    return fwd(*args, **kwargs)
+            finally:
+                for e in blk.entries:
+                    for m, attr in e.refs:
+                        m._parameters[attr] = e.param
+        finally:
+            self.ring.release(slot)
+
+    def _pack(self, outer, versions: Tuple[int, ...], t: torch.Tensor) -> Any:
+        slot = self.ring.slot_of(t)
+        if slot is None or slot.block is None:
+            return Passed(outer, t)
+        return _WeightRef(self, slot.block, t, versions)
+
+    def _unpack(self, obj: Any) -> torch.Tensor:
+        if isinstance(obj, Passed):
+            return obj.get()
+        if self._closed:
+            raise RuntimeError(f"{API}: backward needs weights of block {self.blocks[obj.block].name!r}, "
+                               "but the offload was undone after forward")
+        if self.ring._versions(obj.block) != obj.versions:
+            raise RuntimeError(f"{API}: a weight of block {self.blocks[obj.block].name!r} that backward needs "
+                               "was modified in place after forward (an optimizer step before backward?)")
+        slot = self.ring.acquire(obj.block, self._backward_future(obj.block), self.prefetch, pin=False)
+        t = torch.empty(0, dtype=obj.dtype, device=self.device)
+        return t.set_(slot.storage.untyped_storage(), obj.offset, obj.size, obj.stride)
+
+
+def _resolve_device(model: nn.Module, device: Any) -> torch.device:
+    from .. import _C
+    if device is None:
+        for p in model.parameters():
+            if p.device.type == "cuda":
+                return p.device
+        if _C.device_count() > 0:
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+    try:
+        d = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{API}: device {device!r} is not a device; expected 'cpu', 'cuda', 'cuda:N' or "
+                         "a torch.device") from None
+    if d.type == "cuda":
+        if _C.device_count() == 0:
+            raise ValueError(f"{API}: device {d} requested but this hipferry build or machine has no GPU")
+        if d.index is None:
+            d = torch.device("cuda", torch.cuda.current_device())
+    elif d.type != "cpu":
+        raise ValueError(f"{API}: device {d} is not supported; expected 'cpu' or a GPU ('cuda', 'cuda:N')")
+    return d
+
+
+def _move_rest(model: nn.Module, offloaded: set, device: torch.device) -> List[Callable[[], None]]:
+    """Moves parameters (keeping the objects) and buffers not offloaded to
+    `device`; returns the undo steps."""
+    undo: List[Callable[[], None]] = []
+    seen = set()
+    with torch.no_grad():
+        for m in model.modules():
+            for attr, p in m._parameters.items():
+                if p is None or id(p) in offloaded or id(p) in seen or p.device == device:
+                    continue
+                seen.add(id(p))
+                old, old_grad = p.data, p.grad
+                p.data = p.data.to(device)
+                if old_grad is not None:
+                    p.grad = old_grad.to(device)
+
+                def back(p=p, old_device=old.device, had_grad=old_grad is not None):
+                    g = p.grad
+                    p.grad = None
+                    p.data = p.data.to(old_device)
+                    if had_grad and g is not None:
+                        p.grad = g.to(old_device)
+                undo.append(back)
+            for attr, buf in list(m._buffers.items()):
+                if buf is None or buf.device == device:
+                    continue
+                m._buffers[attr] = buf.to(device)
+                undo.append(lambda m=m, attr=attr, d=buf.device: m._buffers.__setitem__(attr, m._buffers[attr].to(d)))
+    return undo
+
+
+def offload_layers(model: nn.Module, *, prefetch: int = 2, layers: Optional[Sequence[nn.Module]] = None,
+                   pool: Optional[PinnedPool] = None, dtype: Optional[torch.dtype] = None,
+                   device: Any = None) -> LayerOffload:
+    """Keep the weights of ``model``'s blocks in pinned host memory and run each
+    block from a ring of ``prefetch + 1`` device buffers, the next ``prefetch``
+    blocks copying in while one runs.
+
+    ``layers``: the blocks (default: the entries of the model's nn.ModuleList
+    or nn.Sequential holding the most parameter bytes). ``pool``: host memory
+    for the weights (default pool). ``dtype``: keep floating weights on the
+    host in this dtype and convert on the way in (fused copy+cast; forward
+    computes in the parameters' dtype). ``device``: where the blocks run
+    (default: the model's GPU, else the current GPU, else "cpu"); the rest of
+    the model (parameters not offloaded, buffers) is moved there.
+
+    Returns a :class:`LayerOffload`: ``stats()``, ``log``, ``invalidate()``,
+    ``undo()``. See Note [offloaded blocks] for training, gradients and limits.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{API}: model must be an nn.Module, got {type(model).__name__}")
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int):
+        raise TypeError(f"{API}: prefetch must be an int >= 0, got {prefetch!r}")
+    if prefetch < 0:
+        raise ValueError(f"{API}: prefetch must be >= 0 (blocks copied ahead of the one running), got {prefetch}")
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{API}: dtype must be a torch.dtype or None, got {dtype!r}")
+    if pool is None:
+        pool = default_pool()
+    if not isinstance(pool, PinnedPool):
+        raise TypeError(f"{API}: pool must be a hipferry.PinnedPool or None, got {type(pool).__name__}")
+    pool._open_id("offload_layers")
+    dev = _resolve_device(model, device)
+    chosen = default_layers(model) if layers is None else check_layers(model, layers)
+    for i, m in enumerate(chosen):
+        ref = m.__dict__.get("_hipferry_offload")
+        if ref is not None and ref() is not None and not ref().closed:
+            raise ValueError(f"{API}: layers[{i}] ({type(m).__name__}) is already offloaded; call undo() on "
+                             "its handle first")
+    blocks, shared = plan_blocks(model, chosen, dtype)
+    if not blocks:
+        raise ValueError(f"{API}: model has nothing to offload: the {len(chosen)} chosen blocks hold no "
+                         f"parameters of their own (shared with the rest of the model: {shared})")
+    # Allocate everything before changing anything: a failure leaves the model as it was.
+    need = sum(b.host_bytes for b in blocks)
+    try:
+        for blk in blocks:
+            for seg in blk.segments:
+                seg.host = pool.empty(seg.numel, dtype=seg.host_dtype)
+    except torch.OutOfMemoryError as e:
+        for blk in blocks:
+            for seg in blk.segments:
+                seg.host = None
+        st = pool.stats()
+        raise torch.OutOfMemoryError(
+            f"{API}: the pool is too small for the offloaded weights: they need {need} bytes on the host "
+            f"({len(blocks)} blocks); pool capacity {st['capacity']} bytes, {st['allocated_bytes']} in use. "
+            f"Pass pool=hipferry.PinnedPool(capacity=...) with room for them ({e})") from None
+    num_slots = min(prefetch + 1, len(blocks))
+    try:
+        ring = LayerRing(blocks, num_slots, dev)
+    except torch.OutOfMemoryError:
+        for blk in blocks:
+            for seg in blk.segments:
+                seg.host = None
+        slot = max(b.slot_bytes for b in blocks)
+        raise torch.OutOfMemoryError(f"{API}: no device memory for the ring: {num_slots} slots x {slot} bytes on "
+                                     f"{dev}; use a smaller prefetch") from None
+    with torch.no_grad():
+        views = []
+        for blk in blocks:
+            for e in blk.entries:
+                seg = blk.segments[e.segment]
+                v = seg.host[e.offset:e.offset + e.numel].view(e.shape)
+                v.copy_(e.param.detach())  # converts to the host dtype
+                views.append(v)
+        i = 0
+        for blk in blocks:
+            for e in blk.entries:
+                p, v = e.param, views[i]
+                i += 1
+                grad = p.grad
+                p.grad = None
+                p.data = v
+                e.host_ptr = v.data_ptr()
+                if grad is not None:
+                    p.grad = grad.to(device="cpu", dtype=e.host_dtype)
+    offloaded = {id(e.param) for blk in blocks for e in blk.entries}
+    moved = _move_rest(model, offloaded, dev)
+    return LayerOffload(model, blocks, shared, ring, prefetch, pool, moved)
