@@ -39,8 +39,13 @@ run pytest $PY -m pytest -q -ra tests/python --junitxml="$OUT/pytest.xml"
 run doctor $PY -m hipferry doctor
 run bench $PY -m hipferry bench transfer pool copy_cast --out "$OUT/bench" --repeats 3 --max-bytes 1073741824
 run bench_optim $PY -m hipferry bench optim --out "$OUT/bench_optim" --repeats 3
+# accelerate (the layers suite's baseline) must be importable there: put its wheel and its
+# pure-Python dependencies into .whl/ when the machine has no network; else that contender is skipped.
+run bench_offload $PY -m hipferry bench layers activations --out "$OUT/bench_offload" --repeats 3
 run example $PY examples/convert_weights.py
 run example_prefetch $PY examples/prefetch_pipeline.py --out "$OUT/prefetch"
 run example_finetune $PY examples/finetune.py --json "$OUT/finetune.json" --plot "$OUT/finetune.png"
+run example_offload_inference $PY examples/offload_inference.py --json "$OUT/offload_inference.json" \
+  --plot "$OUT/offload_inference.png"
 echo "done in $(( $(date +%s) - start ))s, status $status; results in $OUT"
 exit $status

@@ -2,6 +2,7 @@
 
 Exit code 0 when this build works on this machine; 1 with the reasons when it cannot.
 """
+import copy
 import os
 import platform as py_platform
 import sys
@@ -160,6 +161,39 @@ def optimizer_self_test(device: str) -> str:
     return f"OffloadAdamW steps bit-identical to the CPU reference (engines: {', '.join(engines)}; {device})"
 
 
+def module_offload_self_test(device: str) -> str:
+    """A 4-block MLP with offload_layers (prefetch 1) and offload_activations
+    against the same model without them on `device`: the outputs and every
+    gradient bit for bit, in a no-grad pass and a training step."""
+    from .offload import offload_activations, offload_layers
+    gen = torch.Generator().manual_seed(0)
+    blocks = [torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+              for _ in range(4)]
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Sequential(*blocks), torch.nn.Linear(64, 4))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    reference = copy.deepcopy(model).to(device)
+    x = torch.randn(32, 16, generator=gen).to(device)
+    handle = offload_layers(model, prefetch=1, layers=list(blocks), device=device)
+    try:
+        with torch.no_grad():
+            if not torch.equal(model(x), reference(x)):
+                raise RuntimeError(f"offload_layers on {device}: no-grad output differs from the model without it")
+        with offload_activations(min_bytes=4096):
+            loss = model(x).square().sum()
+        loss.backward()
+        reference(x).square().sum().backward()
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            if p.grad is None or not torch.equal(p.grad.to(q.device), q.grad):
+                raise RuntimeError(f"offload_layers + offload_activations on {device}: gradient of {name} differs")
+        s = handle.stats()
+    finally:
+        handle.undo()
+    return (f"offload_layers + offload_activations outputs and gradients bit-identical ({device}; "
+            f"{s['hits']} prefetch hits, {s['stalls']} stalls)")
+
+
 def run(quick: bool = False) -> int:
     build = hf_platform.build_info()
     flavor = hf_platform.torch_flavor()
@@ -214,6 +248,10 @@ def run(quick: bool = False) -> int:
             w(f"  optimizer       {optimizer_self_test('cuda' if runtime_devices > 0 and torch_devices > 0 else 'cpu')}\n")
         except RuntimeError as e:
             problems.append(f"optimizer self-test failed: {e}")
+        try:
+            w(f"  module offload  {module_offload_self_test('cuda' if runtime_devices > 0 and torch_devices > 0 else 'cpu')}\n")
+        except RuntimeError as e:
+            problems.append(f"module offload self-test failed: {e}")
         try:
             w(f"  pinned pool     {describe_pool(runtime_devices > 0 and torch_devices > 0)}\n")
         except RuntimeError as e:

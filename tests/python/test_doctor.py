@@ -18,6 +18,7 @@ def test_doctor_runs_and_reports_ok_here():
     assert "pinned pool     " in r.stdout and "MiB cold in" in r.stdout
     assert "transfers       prefetch/offload round trips exact on " in r.stdout
     assert "optimizer       OffloadAdamW steps bit-identical to the CPU reference" in r.stdout
+    assert "module offload  offload_layers + offload_activations outputs and gradients bit-identical" in r.stdout
     assert r.stdout.rstrip().endswith("status: OK")
 
 
@@ -66,3 +67,18 @@ def test_optimizer_self_test_catches_a_wrong_step(monkeypatch):
                         lambda self, group: dict(real(self, group), eps=2e-8))  # a subtly wrong step
     with pytest.raises(RuntimeError, match="differs from the CPU reference step"):
         doctor.optimizer_self_test("cpu")
+
+
+def test_module_offload_self_test_catches_a_lost_gradient(monkeypatch):
+    assert "bit-identical" in doctor.module_offload_self_test("cpu")
+    from hipferry.offload import layers
+    real = layers._GradSink.add
+    calls = []
+
+    def drop_the_first(self, entry, grad):  # one weight gradient never reaches the host
+        calls.append(entry)
+        if len(calls) > 1:
+            real(self, entry, grad)
+    monkeypatch.setattr(layers._GradSink, "add", drop_the_first)
+    with pytest.raises(RuntimeError, match="gradient of .* differs"):
+        doctor.module_offload_self_test("cpu")

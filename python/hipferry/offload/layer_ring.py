@@ -270,12 +270,13 @@ class LayerRing:
         self._drop(slot)
         block = self.blocks[b]
         pairs = []
-        for seg in block.segments:
-            nbytes = seg.numel * seg.device_dtype.itemsize
-            dst = slot.storage[seg.slot_byte_offset:seg.slot_byte_offset + nbytes].view(seg.device_dtype)
-            pairs.append((dst, seg.host))
-            self.stats.bytes_moved += seg.numel * seg.host_dtype.itemsize
-        slot.copy = self.copier.start(pairs)
+        with torch.inference_mode(False):  # views made under inference_mode could not be written elsewhere
+            for seg in block.segments:
+                nbytes = seg.numel * seg.device_dtype.itemsize
+                dst = slot.storage[seg.slot_byte_offset:seg.slot_byte_offset + nbytes].view(seg.device_dtype)
+                pairs.append((dst, seg.host))
+                self.stats.bytes_moved += seg.numel * seg.host_dtype.itemsize
+            slot.copy = self.copier.start(pairs)
         slot.block, slot.prefetched = b, ahead
         slot.versions, slot.generation = self._versions(b), self.generation
         self.resident[b] = slot
