@@ -121,3 +121,75 @@ def test_optim_suite_measures_every_contender_against_the_bound(tmp_path):
     assert any(note.startswith("target never slower than fused=True") for note in doc["notes"])
     for png in ("optim.png", "optim_1.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+
+
+def _run_quick_suite(name, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "hipferry", "bench", name, "--quick", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert f"[{name}] 1/" in r.stderr  # progress
+    return json.loads((tmp_path / f"{name}.json").read_text())
+
+
+def test_layers_suite_measures_every_contender_generating_the_same_tokens(tmp_path):
+    import math
+    doc = _run_quick_suite("layers", tmp_path)
+    rows = {row["contender"]: row for row in doc["rows"]}
+    hf = ["hipferry offload_layers(prefetch=2)", "hipferry offload_layers(prefetch=1)"]
+    acc_map, acc_cpu = "accelerate device_map (same budget)", "accelerate cpu_offload"
+    expected = ["no offload", *hf]
+    try:
+        import accelerate  # noqa: F401
+        expected += [acc_map, acc_cpu]
+    except ImportError:
+        assert any("accelerate not importable" in note for note in doc["notes"])
+    assert sorted(rows) == sorted(expected)
+    for row in rows.values():
+        assert math.isfinite(row["tokens_per_s"]) and row["tokens_per_s"] > 0, row
+        assert row["seconds"] > 0 and row["vs_no_offload"] > 0, row
+        # Measured on a GPU, the weights each would hold on one on the CPU: a number for every contender.
+        assert row["device_MiB"] > 0, row
+    for name in hf:
+        assert rows[name]["ring_MiB"] > 0 and rows[name]["device_MiB"] >= rows[name]["ring_MiB"]
+    assert any("same tokens (checked)" in note for note in doc["notes"])
+    if acc_map in rows:
+        for row in rows.values():
+            assert row["vs_device_map"] > 0 and row["vs_cpu_offload"] > 0, row
+        # The same budget: accelerate's device map never holds more than hipferry prefetch=2 (it keeps room
+        # for one block but loads one leaf module at a time); cpu_offload holds far less.
+        assert rows[acc_map]["device_MiB"] <= rows[hf[0]]["device_MiB"] * (1.02 if doc["device"] == "cuda" else 1)
+        assert rows[acc_cpu]["device_MiB"] < rows[acc_map]["device_MiB"]
+        assert any(note.startswith("equal device memory") and "of 4 blocks" in note for note in doc["notes"])
+        target = [note for note in doc["notes"] if note.startswith("target hipferry prefetch=2 >= 3x accelerate")]
+        assert len(target) == 1 and "at equal device memory (vs_device_map" in target[0]
+        if doc["device"] == "cpu":
+            assert "applies on a GPU only" in target[0]
+    assert (tmp_path / "layers.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_activations_suite_measures_every_contender_in_both_regimes(tmp_path):
+    import math
+    doc = _run_quick_suite("activations", tmp_path)
+    rows = doc["rows"]
+    contenders = ["no offload", "torch save_on_cpu", "hipferry offload_activations"]
+    for regime in ("wide", "narrow"):
+        got = [row for row in rows if row["regime"] == regime]
+        assert sorted(row["contender"] for row in got) == sorted(contenders), regime
+        for row in got:
+            assert math.isfinite(row["step_s"]) and row["step_s"] > 0 and row["vs_no_offload"] > 0, row
+        hf = next(row for row in got if row["contender"] == "hipferry offload_activations")
+        assert hf["grads_equal"] == "yes" and hf["offloaded_MiB"] > 0
+        assert hf["prefetch_hits"] + hf["prefetch_late"] + hf["prefetch_misses"] > 0
+    assert any("target <= 10% overhead" in note for note in doc["notes"])
+    if doc["device"] == "cpu":
+        assert any("scheduling overhead only" in note for note in doc["notes"])
+    for png in ("activations.png", "activations_1.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+
+
+def test_bar_plot_skips_rows_without_a_number(tmp_path):
+    rows = [{"contender": "a", "value": 2.0, "regime": "x"}, {"contender": "b", "value": "n/a", "regime": "x"},
+            {"contender": "a", "value": 1.0, "regime": "y"}]
+    path = tmp_path / "bars.png"
+    assert bench.write_plot(str(path), {"kind": "bar", "x": "contender", "y": "value", "series": "regime"}, rows)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -99,7 +99,9 @@ def format_table(columns: List[str], rows: List[dict]) -> str:
 
 def write_plot(path: str, plot: dict, rows: List[dict]) -> bool:
     """plot: {"x": col, "y": col, "series": col, "title": str, "logx": bool, "logy": bool, "ylabel": str,
-    "rows": the rows to draw, when not all of them}."""
+    "rows": the rows to draw, when not all of them, "kind": "line" (default) or "bar"}. Bar charts: one
+    group of bars per value of x (a category, in row order), one bar per series in each group;
+    rows whose y is not a number (e.g. "n/a") are left out."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -109,23 +111,39 @@ def write_plot(path: str, plot: dict, rows: List[dict]) -> bool:
         return False
     rows = plot.get("rows", rows)
     fig, ax = plt.subplots(figsize=(8, 5))
-    series = sorted({r[plot["series"]] for r in rows})
-    for s in series:
-        pts = sorted((r[plot["x"]], r[plot["y"]]) for r in rows if r[plot["series"]] == s)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=s)
-    if plot.get("logx", True):
-        ax.set_xscale("log", base=2)
+    if plot.get("kind") == "bar":
+        _draw_bars(ax, plot, rows)
+    else:
+        series = sorted({r[plot["series"]] for r in rows})
+        for s in series:
+            pts = sorted((r[plot["x"]], r[plot["y"]]) for r in rows if r[plot["series"]] == s)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=s)
+        if plot.get("logx", True):
+            ax.set_xscale("log", base=2)
     if plot.get("logy", False):
         ax.set_yscale("log")
     ax.set_xlabel(plot.get("xlabel", plot["x"]))
     ax.set_ylabel(plot.get("ylabel", plot["y"]))
     ax.set_title(plot.get("title", ""))
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:  # bar charts without series have none
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def _draw_bars(ax, plot: dict, rows: List[dict]) -> None:
+    rows = [r for r in rows if isinstance(r.get(plot["y"]), (int, float))]
+    cats = list(dict.fromkeys(r[plot["x"]] for r in rows))
+    series = list(dict.fromkeys(r[plot["series"]] for r in rows)) if plot.get("series") else [None]
+    width = 0.8 / max(1, len(series))
+    for i, s in enumerate(series):
+        value = {r[plot["x"]]: r[plot["y"]] for r in rows if s is None or r[plot["series"]] == s}
+        xs = [j + (i - (len(series) - 1) / 2) * width for j, c in enumerate(cats) if c in value]
+        ax.bar(xs, [value[c] for c in cats if c in value], width, label=s)
+    ax.set_xticks(range(len(cats)), [str(c) for c in cats], rotation=15, ha="right", fontsize=8)
 
 
 def available() -> List[str]:
@@ -134,7 +152,8 @@ def available() -> List[str]:
 
 
 def _load_suites() -> None:
-    from . import copy_cast_suite, optim_suite, pool_suite, transfer_suite  # noqa: F401  (register themselves)
+    # The suites register themselves.
+    from . import copy_cast_suite, layers_suite, offload_suite, optim_suite, pool_suite, transfer_suite  # noqa: F401
 
 
 def run(names: List[str], out_dir: str, ctx: Context) -> Dict[str, dict]:

@@ -251,8 +251,8 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):
             i -= 1
             if rec is None or rec.ahead is not None:
                 continue
-            if ahead + rec.nbytes > self.max_in_flight:
-                break
+            if ahead > 0 and ahead + rec.nbytes > self.max_in_flight:
+                break  # (one tensor larger than the budget still goes ahead alone, as in forward)
             self._settle(rec)
             rec.ahead = prefetch(rec.host, rec.device, pool=self.pool)
             self._ahead.add(rec)

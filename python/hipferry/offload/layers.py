@@ -58,7 +58,10 @@ class _DeviceWeight(torch.autograd.Function):
     """Device copy of a host parameter; its gradient goes back to the host."""
 
     @staticmethod
-    def forward(ctx, host_param, box, sink, entry):
+    def forward(ctx, anchor, box, sink, entry):
+        # `anchor`: a leaf that requires grad, so the output does; not the host
+        # parameter, whose AccumulateGrad node would run its post-accumulate-grad
+        # hooks with no gradient (the sink delivers it at the end of backward).
         ctx.sink, ctx.entry = sink, entry
         return box.t
 
@@ -75,19 +78,23 @@ class _GradSink:
         self.pool = pool
         self.after_flush = after_flush  # optimizers step after backward: resident copies go stale
         self.pending: Dict[int, Tuple[Any, List[Any]]] = {}
-        self.queued = False
+        self.queued_for: Optional[int] = None  # graph task whose end runs flush()
         self.bytes_moved = 0
 
     def add(self, entry, grad: torch.Tensor) -> None:
-        if not self.queued:
+        task = torch._C._current_graph_task_id()
+        if self.queued_for != task:
+            # A backward that raised never ran its callback: what it left is dropped
+            # (unwaited transfers are safe to drop), as autograd drops its grads.
+            self.pending = {}
             torch.autograd.Variable._execution_engine.queue_callback(self.flush)
-            self.queued = True
+            self.queued_for = task
         dtype = entry.host_dtype if entry.host_dtype != grad.dtype else None
         self.pending.setdefault(id(entry.param), (entry, []))[1].append(offload(grad, dtype=dtype, pool=self.pool))
         self.bytes_moved += grad.numel() * entry.host_dtype.itemsize
 
     def flush(self) -> None:
-        pending, self.pending, self.queued = self.pending, {}, False
+        pending, self.pending, self.queued_for = self.pending, {}, None
         self.after_flush()
         for entry, transfers in pending.values():
             grads = [t.wait() for t in transfers]
@@ -128,6 +135,7 @@ class LayerOffload:
         self.resident_shared = shared
         self._moved_back = moved
         self._sink = _GradSink(pool, ring.invalidate)
+        self._anchor = torch.zeros((), requires_grad=True)  # see _DeviceWeight
         self._live = [0] * len(blocks)
         self._order = list(range(len(blocks)))  # blocks in call order of the last complete model call
         self._pass: Optional[List[int]] = None  # of the model call running now
@@ -274,7 +282,7 @@ class LayerOffload:
             tensors = self.ring.tensors(b, slot)
             grad_mode = torch.is_grad_enabled()
             if grad_mode:
-                tensors = [_DeviceWeight.apply(e.param, _Box(t), self._sink, e) if e.param.requires_grad else t
+                tensors = [_DeviceWeight.apply(self._anchor, _Box(t), self._sink, e) if e.param.requires_grad else t
                            for e, t in zip(blk.entries, tensors)]
             for e, t in zip(blk.entries, tensors):
                 for m, attr in e.refs:
