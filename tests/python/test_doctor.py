@@ -71,14 +71,14 @@ def test_optimizer_self_test_catches_a_wrong_step(monkeypatch):
 
 def test_module_offload_self_test_catches_a_lost_gradient(monkeypatch):
     assert "bit-identical" in doctor.module_offload_self_test("cpu")
-    from hipferry.offload import layers
-    real = layers._GradSink.add
+    from hipferry.offload import grad_sink
+    real = grad_sink.GradSink.add
     calls = []
 
     def drop_the_first(self, entry, grad):  # one weight gradient never reaches the host
         calls.append(entry)
         if len(calls) > 1:
             real(self, entry, grad)
-    monkeypatch.setattr(layers._GradSink, "add", drop_the_first)
+    monkeypatch.setattr(grad_sink.GradSink, "add", drop_the_first)
     with pytest.raises(RuntimeError, match="gradient of .* differs"):
         doctor.module_offload_self_test("cpu")

@@ -25,6 +25,7 @@ Note [offloaded activations]
   worker thread; it saves no memory there and exists so scripts run
   unchanged and the schedule is tested everywhere.
 """
+import threading
 import weakref
 from collections import deque
 from dataclasses import dataclass
@@ -122,7 +123,8 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):
         self._compact_at = 1024                       # list length that triggers dropping dead entries
         self._by_tensor: Dict[int, Tuple[weakref.ref, weakref.ref, int]] = {}  # id -> (tensor, record, version)
         self._ahead: "weakref.WeakSet[_Record]" = weakref.WeakSet()             # records prefetched back
-        super().__init__(self._pack, self._unpack)
+        self._lock = threading.RLock()  # a model on two GPUs: two autograd device threads unpack at once
+        super().__init__(self._locked(self._pack), self._locked(self._unpack))
 
     def __enter__(self):
         self._outer.append(current_hooks())
@@ -137,6 +139,12 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):
 
     def stats(self) -> dict:
         return dict(vars(self._stats), in_flight_bytes=self._in_flight_bytes)
+
+    def _locked(self, fn):
+        def call(arg):
+            with self._lock:
+                return fn(arg)
+        return call
 
     # ------------------------------------------------------------ forward
     def _keep_reason(self, t: torch.Tensor) -> Optional[str]:
@@ -164,6 +172,7 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):
             self._stats.deduplicated += 1
             seen[1]().saves += 1
             return seen[1]()
+        self._trim()
         if len(self._records) >= self._compact_at:
             self._compact()
         rec = _Record(len(self._records), t, perm)
@@ -249,8 +258,8 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):
         while i >= 0:
             rec = self._records[i]()
             i -= 1
-            if rec is None or rec.ahead is not None:
-                continue
+            if rec is None or rec.ahead is not None or rec.source is not None:
+                continue  # (a record whose copy out is not settled is still on the device: used as it is)
             if ahead > 0 and ahead + rec.nbytes > self.max_in_flight:
                 break  # (one tensor larger than the budget still goes ahead alone, as in forward)
             self._settle(rec)
@@ -258,6 +267,11 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):
             self._ahead.add(rec)
             ahead += rec.nbytes
             s.peak_prefetched_bytes = max(s.peak_prefetched_bytes, ahead)
-        # Records that autograd has let go of need no place in the list.
+        self._trim()
+
+    def _trim(self) -> None:
+        """Records that autograd has let go of need no place at the end of the list."""
         while self._records and self._records[-1]() is None:
             self._records.pop()
+        if not self._records:
+            self._by_tensor.clear()

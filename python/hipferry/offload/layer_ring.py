@@ -64,8 +64,8 @@ class _StreamCopier:
     def wait(self, ev: Any) -> None:
         torch.cuda.current_stream(self.device).wait_event(ev)  # the host does not block
 
-    def synchronize(self, ev: Any) -> None:
-        ev.synchronize()
+    def drain(self) -> None:
+        self.stream.synchronize()
 
     def close(self) -> None:
         self.stream.synchronize()
@@ -95,7 +95,8 @@ class _ThreadCopier:
     def wait(self, fut: Any) -> None:
         fut.result()
 
-    synchronize = wait
+    def drain(self) -> None:
+        self.pool.submit(lambda: None).result()  # one worker: runs after every earlier copy
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -179,11 +180,14 @@ class LayerRing:
             slot.copy = None
         slot.prefetched = False
         slot.last_use = self._clock
-        if pin:
-            slot.pins += 1
         self.stats.log.append((outcome, b, slot.index))
         # b ranks first: its slot is not refilled before the caller has queued the work that reads it.
-        self._prefetch(future[:prefetch], [b] + future)
+        slot.pins += 1
+        try:
+            self._prefetch(future[:prefetch], [b] + future)
+        finally:
+            if not pin:
+                slot.pins -= 1
         return slot
 
     def prefetch(self, wanted: List[int], future: List[int]) -> None:
@@ -204,9 +208,9 @@ class LayerRing:
         self.generation += 1
 
     def synchronize(self) -> None:
-        for s in self.slots:
-            if s.copy is not None:
-                self.copier.synchronize(s.copy)
+        """Every copy started so far has completed (also those already waited on
+        by a stream: the host may free their sources after this)."""
+        self.copier.drain()
 
     def close(self) -> None:
         self.synchronize()
@@ -244,8 +248,9 @@ class LayerRing:
             if demand:
                 raise RuntimeError(
                     f"hipferry.offload_layers: block {self.blocks[b].name!r} is needed while all "
-                    f"{len(self.slots)} ring slots hold blocks that are running (blocks called from inside "
-                    "each other); use a larger prefetch= so the ring has more slots")
+                    f"{len(self.slots)} ring slots hold blocks that are in use (blocks called from inside "
+                    "each other, or activation checkpointing recomputing blocks while backward holds a "
+                    "weight); use a larger prefetch= so the ring has more slots")
             return None
         empty = [s for s in free if s.block is None]
         if empty:

@@ -15,7 +15,8 @@ Note [offloaded blocks]
   copy stream, into the pool) as soon as backward produces it; at the end of
   backward the copies are waited for and accumulated into the parameters'
   ``.grad`` on the host -- summed in arrival order, then added once, as
-  autograd's AccumulateGrad does -- and post-accumulate-grad hooks run. So an
+  autograd's AccumulateGrad does -- and post-accumulate-grad hooks run
+  (grad_sink.py). So an
   optimizer (OffloadAdamW's CPU step, or any CPU optimizer) steps the host
   weights in place. ``torch.autograd.grad`` with the host parameters as
   inputs is not supported (they get no gradient through it).
@@ -24,6 +25,9 @@ Note [offloaded blocks]
   backward brings the block in again, prefetching in reverse order the blocks
   that still have saved weights. Other saved tensors go to the hooks outside
   (activation checkpointing, ``offload_activations``), see saved_hooks.py.
+* Resident copies are not reused after a backward has ended (the optimizer
+  steps then): the next model call refreshes them. Within a call, parameter
+  versions decide (see Note [layer ring]).
 * Prediction: the block order of the last complete call of the model (list
   order before one) -- forward continues along it (then wraps around for the
   next call without grad, or turns back for backward with grad).
@@ -32,14 +36,14 @@ Note [offloaded blocks]
   the device: forward may update them (BatchNorm statistics).
 """
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from ..pool import PinnedPool, default_pool
-from ..transfer import offload
 from .block_layout import Block, check_layers, default_layers, plan_blocks
+from .grad_sink import GradSink
 from .layer_ring import LayerRing
 from .saved_hooks import Passed, current_hooks
 
@@ -71,46 +75,6 @@ class _DeviceWeight(torch.autograd.Function):
         return None, None, None, None
 
 
-class _GradSink:
-    """Weight gradients copied device->host during backward, accumulated at its end."""
-
-    def __init__(self, pool: PinnedPool, after_flush: Callable[[], None]):
-        self.pool = pool
-        self.after_flush = after_flush  # optimizers step after backward: resident copies go stale
-        self.pending: Dict[int, Tuple[Any, List[Any]]] = {}
-        self.queued_for: Optional[int] = None  # graph task whose end runs flush()
-        self.bytes_moved = 0
-
-    def add(self, entry, grad: torch.Tensor) -> None:
-        task = torch._C._current_graph_task_id()
-        if self.queued_for != task:
-            # A backward that raised never ran its callback: what it left is dropped
-            # (unwaited transfers are safe to drop), as autograd drops its grads.
-            self.pending = {}
-            torch.autograd.Variable._execution_engine.queue_callback(self.flush)
-            self.queued_for = task
-        dtype = entry.host_dtype if entry.host_dtype != grad.dtype else None
-        self.pending.setdefault(id(entry.param), (entry, []))[1].append(offload(grad, dtype=dtype, pool=self.pool))
-        self.bytes_moved += grad.numel() * entry.host_dtype.itemsize
-
-    def flush(self) -> None:
-        pending, self.pending, self.queued_for = self.pending, {}, None
-        self.after_flush()
-        for entry, transfers in pending.values():
-            grads = [t.wait() for t in transfers]
-            total = grads[0]
-            for g in grads[1:]:
-                total.add_(g)
-            p = entry.param
-            with torch.no_grad():
-                if p.grad is None:
-                    p.grad = total
-                else:
-                    p.grad.add_(total)
-            for hook in list((getattr(p, "_post_accumulate_grad_hooks", None) or {}).values()):
-                hook(p)
-
-
 class _WeightRef:
     """What autograd keeps of a saved weight view: where it is, not its memory."""
     __slots__ = ("owner", "block", "dtype", "size", "stride", "offset", "versions", "__weakref__")
@@ -134,7 +98,10 @@ class LayerOffload:
         self.device = ring.device
         self.resident_shared = shared
         self._moved_back = moved
-        self._sink = _GradSink(pool, ring.invalidate)
+        # Gradients of about two blocks may be in flight to the host at once.
+        self._sink = GradSink(pool, 2 * ring.slot_bytes, self._weights_may_change)
+        self._stale = False             # a backward ended since the last model call (an optimizer may step)
+        self._unpack_slot = None        # slot of the last weight handed to backward (see _unpack)
         self._anchor = torch.zeros((), requires_grad=True)  # see _DeviceWeight
         self._live = [0] * len(blocks)
         self._order = list(range(len(blocks)))  # blocks in call order of the last complete model call
@@ -159,6 +126,8 @@ class LayerOffload:
                 "fetches": s.fetches, "prefetches": s.prefetches, "bytes_moved": s.bytes_moved,
                 "hits": s.hits, "late": s.late, "misses": s.misses, "stalls": s.stalls, "reused": s.reused,
                 "slot_reuses": s.slot_reuses, "grad_bytes_moved": self._sink.bytes_moved,
+                "grad_max_in_flight": self._sink.max_in_flight,
+                "grad_peak_in_flight_bytes": self._sink.peak_in_flight_bytes,
                 "resident_shared": list(self.resident_shared)}
 
     @property
@@ -191,6 +160,7 @@ class LayerOffload:
         of the model's placement, and free the ring and host buffers."""
         if self._closed:
             return
+        self._release_unpack_slot()
         self.ring.synchronize()
         for h in self._hooks:
             h.remove()
@@ -225,9 +195,23 @@ class LayerOffload:
                 f"stalls {s['stalls']})")
 
     # ------------------------------------------------------------ prediction
+    def _weights_may_change(self) -> None:
+        self._stale = True
+        self._release_unpack_slot()
+
+    def _release_unpack_slot(self) -> None:
+        if self._unpack_slot is not None:
+            self.ring.release(self._unpack_slot)
+            self._unpack_slot = None
+
     def _pass_start(self, module, args) -> None:
         if torch._C._current_graph_task_id() == -1:
             self._pass, self._pos = [], 0
+            self._sink.drop_stale()
+            self._release_unpack_slot()  # left by a backward that raised
+            if self._stale:  # copies made before the optimizer step are not reused
+                self._stale = False
+                self.ring.invalidate()
             # The first blocks start copying while what precedes them (embeddings) runs.
             self.ring.prefetch(self._order[:self.prefetch], self._order)
 
@@ -254,7 +238,20 @@ class LayerOffload:
     def _backward_future(self, b: int) -> List[int]:
         rev = list(reversed(self._order))
         k = rev.index(b) if b in rev else 0
-        return [x for x in rev[k + 1:] + rev[:k] if self._live[x] > 0 and x != b]
+        waiting = [x for x in rev[k + 1:] + rev[:k] if self._live[x] > 0 and x != b]
+        # No saved weights (reentrant checkpointing ran forward without grad, and
+        # recomputes blocks in backward): backward still visits them in reverse.
+        return waiting if waiting else [x for x in rev[k + 1:] if x != b]
+
+    def _recompute_future(self, b: int) -> List[int]:
+        """Activation checkpointing reruns blocks in forward order inside backward:
+        the rest of the rerun (later blocks still waiting for their backward, or,
+        before any has saved weights, simply the next ones), then backward."""
+        order = self._order
+        j = order.index(b) if b in order else len(order)
+        waiting = any(self._live)
+        rest = [x for x in order[j + 1:] if self._live[x] > 0 or not waiting]
+        return rest + self._backward_future(b)
 
     # ------------------------------------------------------------ running a block
     def _wrap(self, b: int, fwd: Callable) -> Callable:
@@ -276,7 +273,7 @@ class LayerOffload:
         blk = self.blocks[b]
         self._check_entries(blk)
         in_backward = torch._C._current_graph_task_id() != -1  # recomputation by activation checkpointing
-        future = self._backward_future(b) if in_backward else self._forward_future(b)
+        future = self._recompute_future(b) if in_backward else self._forward_future(b)
         slot = self.ring.acquire(b, future, self.prefetch, pin=True)
         try:
             tensors = self.ring.tensors(b, slot)
@@ -317,7 +314,12 @@ class LayerOffload:
         if self.ring._versions(obj.block) != obj.versions:
             raise RuntimeError(f"{API}: a weight of block {self.blocks[obj.block].name!r} that backward needs "
                                "was modified in place after forward (an optimizer step before backward?)")
-        slot = self.ring.acquire(obj.block, self._backward_future(obj.block), self.prefetch, pin=False)
+        # The slot stays pinned until the next weight is handed out: the node that
+        # unpacks this one may first unpack an input whose recomputation (activation
+        # checkpointing) runs other blocks through the ring.
+        slot = self.ring.acquire(obj.block, self._backward_future(obj.block), self.prefetch, pin=True)
+        self._release_unpack_slot()
+        self._unpack_slot = slot
         t = torch.empty(0, dtype=obj.dtype, device=self.device)
         return t.set_(slot.storage.untyped_storage(), obj.offset, obj.size, obj.stride)
 
