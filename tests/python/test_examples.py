@@ -134,3 +134,80 @@ def test_finetune_rejects_bad_arguments(args, named):
     r = subprocess.run([sys.executable, str(EXAMPLES / "finetune.py"), *args],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and named in r.stderr, r.stderr
+
+
+def _run_offload_inference(tmp_path, *extra, device="cpu"):
+    out_json = tmp_path / "offload_inference.json"
+    r = subprocess.run([sys.executable, str(EXAMPLES / "offload_inference.py"), "--layers", "4", "--width", "64",
+                        "--heads", "2", "--tokens", "8", "--train-steps", "5", "--device", device,
+                        "--json", str(out_json), *extra], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "[warm-up training] step    5/5" in r.stdout and "[offloaded] token    8/8" in r.stdout  # progress
+    assert "offloaded / reference speed" in r.stdout and "outputs equal the reference's" in r.stdout
+    s = json.loads(out_json.read_text())
+    assert s["device"] == device and s["ok"] is True and s["checks"]["undo_outputs_equal"] is True
+    assert s["device_model_bytes"] == s["ring_bytes"] + s["resident_bytes"] <= s["budget_bytes"]
+    assert s["device_model_bytes"] < s["weight_bytes"]  # 3 of 4 blocks' weights and the rest of the model
+    st = s["offload_stats"]
+    assert st["blocks"] == 4 and st["ring_slots"] == 3 and st["device_bytes"] == s["ring_bytes"]
+    assert st["hits"] > 0 and st["hits"] + st["stalls"] + st["reused"] == 4 * 8  # a use per block and token
+    for run in (s["offloaded"], s["reference"]):
+        assert len(run["tokens"]) == len(run["latency_ms"]) == 8 and run["tokens_per_s"] > 0
+    assert len(s["train_losses"]) == 5 and s["speed_ratio"] > 0
+    return r.stdout, s
+
+
+def test_offload_inference_on_cpu(tmp_path):
+    out, s = _run_offload_inference(tmp_path, "--plot", str(tmp_path / "tokens.png"))
+    assert "generated tokens identical to the reference's" in out
+    assert s["checks"]["tokens_identical"] is True and s["tokens_identical"] is True
+    assert s["offloaded"]["tokens"] == s["reference"]["tokens"] and s["first_logits_max_diff"] == 0
+    assert s["offloaded"]["device_peak_bytes"] is None and s["reference_device"] == "cpu"
+    assert s["weight_bytes"] <= s["host_bytes"] + s["resident_bytes"]  # blocks on the host (padded), the rest not
+    import importlib.util
+    if importlib.util.find_spec("matplotlib"):  # else the script says it wrote no plot
+        assert (tmp_path / "tokens.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_offload_inference_with_bfloat16_host_weights_reports_but_does_not_require_identical_tokens(tmp_path):
+    out, s = _run_offload_inference(tmp_path, "--host-dtype", "bfloat16")
+    assert "not required with --host-dtype bfloat16" in out and "tokens_identical" not in s["checks"]
+    assert s["host_dtype"] == "bfloat16" and s["host_bytes"] * 2 < s["weight_bytes"]  # half the block bytes
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_offload_inference_on_gpu(tmp_path, dtype):
+    # 8 blocks of width 256: the ring (3 slots) is well below the weights, so the peaks differ clearly.
+    out, s = _run_offload_inference(tmp_path, "--layers", "8", "--width", "256", "--dtype", dtype, device="cuda")
+    assert "torch.cuda.max_memory_allocated" in out and s["reference_device"] == "cuda"
+    if dtype == "float32":
+        assert s["checks"]["tokens_identical"] is True
+    off, ref = s["offloaded"]["device_peak_bytes"], s["reference"]["device_peak_bytes"]
+    assert s["ring_bytes"] <= off < ref
+
+
+def test_offload_inference_budget_too_small_names_the_budget_that_works(tmp_path):
+    cmd = [sys.executable, str(EXAMPLES / "offload_inference.py"), "--layers", "4", "--width", "64", "--heads", "2",
+           "--tokens", "4", "--train-steps", "2", "--device", "cpu"]
+    r = subprocess.run(cmd + ["--budget", "1KiB"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--budget 1 KiB is too small for --prefetch 2" in r.stderr, r.stdout + r.stderr
+    assert "[warm-up training]" not in r.stdout  # checked before training
+    enough = r.stderr.split("pass --budget ")[1].split()[0]
+    r = subprocess.run(cmd + ["--budget", enough, "--json", str(tmp_path / "s.json")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    s = json.loads((tmp_path / "s.json").read_text())
+    assert s["device_model_bytes"] <= s["budget_bytes"] < s["device_model_bytes"] + 1024
+
+
+@pytest.mark.parametrize("args, named", [(["--width", "100", "--heads", "3"], "--width"),
+                                         (["--layers", "1"], "--layers"),
+                                         (["--budget", "lots"], "--budget"),
+                                         (["--prefetch", "-1"], "--prefetch"),
+                                         (["--tokens", "0"], "--tokens"),
+                                         (["--dtype", "float16"], "--dtype")])
+def test_offload_inference_rejects_bad_arguments(args, named):
+    r = subprocess.run([sys.executable, str(EXAMPLES / "offload_inference.py"), "--device", "cpu", *args],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and named in r.stderr, r.stderr
