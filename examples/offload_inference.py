@@ -16,7 +16,7 @@ back a model whose outputs equal the reference's.
 
     python examples/offload_inference.py [--device auto|cpu|cuda] [--budget 8MiB] [--prefetch 2]
         [--layers 12] [--width 192] [--heads 3] [--tokens 48] [--prompt TEXT] [--dtype float32|bfloat16]
-        [--host-dtype float32|bfloat16|float16] [--train-steps N] [--json PATH] [--plot PATH]
+        [--host-dtype float32|bfloat16|float16] [--train-steps N] [--json PATH] [--plot PATH] [--trace PREFIX]
 
 Exit code 0 when the checks pass (in float32 with no --host-dtype both models
 generate identical tokens; after undo() the outputs equal the reference's),
@@ -66,6 +66,8 @@ def parse_args(argv):
                    help="keep the offloaded weights on the host in this dtype (offload_layers(dtype=...))")
     p.add_argument("--json", metavar="PATH", help="write the summary as JSON")
     p.add_argument("--plot", metavar="PATH", help="per-token latency and device memory as a PNG (needs matplotlib)")
+    p.add_argument("--trace", metavar="PREFIX", help="trace 3 more tokens: PREFIX.json (Chrome/Perfetto) and "
+                   "PREFIX.png (timeline of ring copies beside block compute; needs matplotlib)")
     a = p.parse_args(argv)
     if a.device == "auto":
         a.device = "cuda" if torch.cuda.is_available() and hipferry.device_count() > 0 else "cpu"
@@ -233,6 +235,20 @@ def generate(model, a, device, name, tokens=None):
             "first_logits": first_logits, "kv_cache_bytes": nbytes(t for kv in caches for t in kv)}
 
 
+def write_trace(prefix, model, a):
+    """Three tokens under hipferry.trace(): the ring's copies (copy_cast_ on the copy stream, or the worker
+    thread on the CPU) beside each block's forward."""
+    with hipferry.trace(prefix + ".json") as tr:
+        generate(model, a, a.device, None, tokens=3)
+    print(f"trace: {prefix}.json ({len(tr.events)} events)")
+    try:
+        from hipferry.bench.timeline import write_timeline_png
+        if write_timeline_png(prefix + ".png", tr.events, f"offload_layers: 3 tokens on {a.device}"):
+            print(f"timeline: {prefix}.png")
+    except ImportError:
+        print("no timeline PNG: matplotlib is not installed")
+
+
 def reference_device(a, weight_bytes):
     """Where the reference runs: the device when the whole model fits in its real memory, else the CPU."""
     if a.device == "cpu":
@@ -357,6 +373,8 @@ def main(argv=None) -> int:
     text = bytes(off["tokens"]).decode(errors="replace")
     print(f"\n--- prompt + generated text ---\n{a.prompt}{text}\n---")
 
+    if a.trace:
+        write_trace(a.trace, model, a)
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from ..pool import PinnedPool, default_pool
+from ..trace import trace_region
 from .block_layout import Block, check_layers, default_layers, plan_blocks
 from .grad_sink import GradSink
 from .layer_ring import LayerRing
@@ -285,13 +286,14 @@ class LayerOffload:
                 for m, attr in e.refs:
                     m._parameters[attr] = t
             try:
-                if not grad_mode:
-                    return fwd(*args, **kwargs)
-                outer = current_hooks()
-                versions = self.ring._versions(b)
-                with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(outer, versions, t),
-                                                              self._unpack):
-                    return fwd(*args, **kwargs)
+                with trace_region(blk.name, track="offload_layers blocks"):
+                    if not grad_mode:
+                        return fwd(*args, **kwargs)
+                    outer = current_hooks()
+                    versions = self.ring._versions(b)
+                    with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(outer, versions, t),
+                                                                  self._unpack):
+                        return fwd(*args, **kwargs)
             finally:
                 for e in blk.entries:
                     for m, attr in e.refs:
