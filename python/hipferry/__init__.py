@@ -6,7 +6,7 @@ import torch  # noqa: F401  (loads libc10/libtorch before the extension)
 
 from . import _C  # noqa: F401  (registers torch.ops.hipferry.*)
 from . import optim  # noqa: F401  (hipferry.optim.OffloadAdamW)
-from .offload import LayerOffload, offload_activations, offload_layers
+from .module_offload import LayerOffload, offload_activations, offload_layers
 from .ops import copy_cast_
 from .platform import build_info, device_count, device_info
 from .pool import PinnedPool, configure_default_pool, default_pool, pin

@@ -165,7 +165,7 @@ def module_offload_self_test(device: str) -> str:
     """A 4-block MLP with offload_layers (prefetch 1) and offload_activations
     against the same model without them on `device`: the outputs and every
     gradient bit for bit, in a no-grad pass and a training step."""
-    from .offload import offload_activations, offload_layers
+    from .module_offload import offload_activations, offload_layers
     gen = torch.Generator().manual_seed(0)
     blocks = [torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
               for _ in range(4)]

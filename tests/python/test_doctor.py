@@ -71,7 +71,7 @@ def test_optimizer_self_test_catches_a_wrong_step(monkeypatch):
 
 def test_module_offload_self_test_catches_a_lost_gradient(monkeypatch):
     assert "bit-identical" in doctor.module_offload_self_test("cpu")
-    from hipferry.offload import grad_sink
+    from hipferry.module_offload import grad_sink
     real = grad_sink.GradSink.add
     calls = []
 

@@ -34,6 +34,28 @@ def test_eval_outputs_equal(device):
     assert handle.stats()["blocks"] == 4
 
 
+
+@pytest.fixture(autouse=True)
+def every_offload_runs_from_the_ring(monkeypatch):
+    """After each test: every offload still in place really ran its blocks from the
+    ring (copies and uses counted) and its weights still live in the host buffers --
+    so an equality test cannot pass on an offload that did nothing."""
+    handles, real = [], hipferry.offload_layers
+
+    def recording(*args, **kwargs):
+        handles.append(real(*args, **kwargs))
+        return handles[-1]
+    monkeypatch.setattr(hipferry, "offload_layers", recording)
+    yield
+    for h in handles:
+        if h.closed:
+            continue
+        s = h.stats()
+        assert s["fetches"] > 0 and s["hits"] + s["late"] + s["misses"] + s["reused"] > 0, s
+        for blk in h.blocks:
+            for e in blk.entries:
+                assert e.param.device.type == "cpu" and e.param.data_ptr() == e.host_ptr, e.name
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_train_with_dropout_outputs_and_grads_equal(device):
     model, ref = model_and_reference(make_gpt, device, dropout=0.2)
@@ -49,7 +71,7 @@ def test_train_with_dropout_outputs_and_grads_equal(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_no_grad_outputs_equal(device):
     model, ref = model_and_reference(make_gpt, device, dropout=0.2)
-    hipferry.offload_layers(model, device=device)
+    handle = hipferry.offload_layers(model, device=device)
     with torch.no_grad():
         for step in range(3):
             x = model.example(step, device)
@@ -74,7 +96,7 @@ def test_model_called_twice_per_step(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_gradient_accumulation_and_post_accumulate_hooks(device):
     model, ref = model_and_reference(make_gpt, device)
-    hipferry.offload_layers(model, device=device)
+    handle = hipferry.offload_layers(model, device=device)
     calls = []
     p = model.blocks[2].fc2.weight
     p.register_post_accumulate_grad_hook(lambda t: calls.append(None if t.grad is None else t.grad.clone()))
@@ -96,7 +118,7 @@ def test_training_steps_keep_parameters_equal(device, optimizer):
         make_opt = lambda params: OffloadAdamW(params, lr=1e-2, weight_decay=0.1, step_on="cpu", min_offload_numel=64)
     model, ref = model_and_reference(make_gpt, device, dropout=0.1)
     initial = snapshot_params(ref)
-    hipferry.offload_layers(model, device=device)
+    handle = hipferry.offload_layers(model, device=device)
     opt, ref_opt = make_opt(list(model.parameters())), PlacedReference(ref, model, make_opt)
     for step in range(3):
         x = model.example(step, device)
@@ -153,7 +175,7 @@ def test_shared_weights_stay_on_device(device):
 def test_buffers_stay_on_device_and_update(device):
     model, ref = model_and_reference(make_buffer_net, device)
     buffers_before = {n: b.clone() for n, b in ref.named_buffers()}
-    hipferry.offload_layers(model, device=device)
+    handle = hipferry.offload_layers(model, device=device)
     for name, b in model.named_buffers():
         assert b.device.type == device, f"buffer {name} on {b.device}"
     for step in range(3):

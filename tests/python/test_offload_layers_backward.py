@@ -2,8 +2,9 @@
 over groups of blocks, whose recomputation runs blocks through the ring while
 backward holds a weight; reentrant, whose nested backwards accumulate their
 own gradients), weight gradients in flight to the host bounded, a pinned
-unpacked weight with a one-slot ring rejected clearly, and the records of
-offload_activations not piling up over steps."""
+unpacked weight with a one-slot ring rejected clearly under checkpointing
+but training without it, a failure while moving the rest of the model
+undone, and the records of offload_activations not piling up over steps."""
 import copy
 
 import pytest
@@ -114,3 +115,42 @@ def test_activation_records_do_not_pile_up_over_steps():
         loss.backward()
     assert len(ctx._records) <= 1 and len(ctx._by_tensor) <= 16
     assert ctx.stats()["offloaded_tensors"] > 50 * 8
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_slot_ring_trains(device):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)]).to(device)
+    ref = copy.deepcopy(model)
+    handle = hipferry.offload_layers(model, prefetch=0, device=device)
+    x = torch.randn(8, 32, device=device)
+    for _ in range(2):
+        model.zero_grad()
+        ref.zero_grad()
+        model(x).square().sum().backward()
+        ref(x).square().sum().backward()
+        assert_same_grads(model, ref)
+    s = handle.stats()
+    assert s["ring_slots"] == 1 and s["prefetches"] == 0 and s["misses"] > 0
+
+
+def test_a_failure_while_moving_the_rest_leaves_the_model_as_it_was(monkeypatch):
+    from hipferry.module_offload import layers
+    model = nn.Sequential(nn.Linear(4, 4), nn.ModuleList([nn.Linear(4, 4) for _ in range(3)]), nn.Linear(4, 2))
+    ref = copy.deepcopy(model)
+    real = layers._move_rest_into
+
+    def fails_after_moving(model, offloaded, device, undo):
+        real(model, offloaded, device, undo)
+        raise torch.OutOfMemoryError("out of device memory (simulated)")
+    monkeypatch.setattr(layers, "_move_rest_into", fails_after_moving)
+    pool = hipferry.PinnedPool(capacity="64MiB")
+    before = [(p, p.data_ptr()) for p in model.parameters()]
+    with pytest.raises(torch.OutOfMemoryError, match="not offloaded .* the model was left as it was"):
+        hipferry.offload_layers(model, pool=pool, device="cpu")
+    assert [(p, p.data_ptr()) for p in model.parameters()] == before
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    assert pool.stats()["allocated_bytes"] == 0
+    x = torch.randn(3, 4)
+    assert torch.equal(model[2](model[0](x)), ref[2](ref[0](x)))
+    pool.close()

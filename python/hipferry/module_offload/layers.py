@@ -319,8 +319,10 @@ class LayerOffload:
         # The slot stays pinned until the next weight is handed out: the node that
         # unpacks this one may first unpack an input whose recomputation (activation
         # checkpointing) runs other blocks through the ring.
-        slot = self.ring.acquire(obj.block, self._backward_future(obj.block), self.prefetch, pin=True)
+        # The previous weight's node has queued its work by now (one node unpacks
+        # weights of one block), so its pin goes first: a one-slot ring can train.
         self._release_unpack_slot()
+        slot = self.ring.acquire(obj.block, self._backward_future(obj.block), self.prefetch, pin=True)
         self._unpack_slot = slot
         t = torch.empty(0, dtype=obj.dtype, device=self.device)
         return t.set_(slot.storage.untyped_storage(), obj.offset, obj.size, obj.stride)
@@ -354,6 +356,16 @@ def _move_rest(model: nn.Module, offloaded: set, device: torch.device) -> List[C
     """Moves parameters (keeping the objects) and buffers not offloaded to
     `device`; returns the undo steps."""
     undo: List[Callable[[], None]] = []
+    try:
+        _move_rest_into(model, offloaded, device, undo)
+    except BaseException:
+        for step in reversed(undo):  # a failure (device OOM) moves back what had moved
+            step()
+        raise
+    return undo
+
+
+def _move_rest_into(model: nn.Module, offloaded: set, device: torch.device, undo: List[Callable[[], None]]) -> None:
     seen = set()
     with torch.no_grad():
         for m in model.modules():
@@ -378,7 +390,6 @@ def _move_rest(model: nn.Module, offloaded: set, device: torch.device) -> List[C
                     continue
                 m._buffers[attr] = buf.to(device)
                 undo.append(lambda m=m, attr=attr, d=buf.device: m._buffers.__setitem__(attr, m._buffers[attr].to(d)))
-    return undo
 
 
 def offload_layers(model: nn.Module, *, prefetch: int = 2, layers: Optional[Sequence[nn.Module]] = None,
@@ -448,6 +459,17 @@ def offload_layers(model: nn.Module, *, prefetch: int = 2, layers: Optional[Sequ
         slot = max(b.slot_bytes for b in blocks)
         raise torch.OutOfMemoryError(f"{API}: no device memory for the ring: {num_slots} slots x {slot} bytes on "
                                      f"{dev}; use a smaller prefetch") from None
+    offloaded = {id(e.param) for blk in blocks for e in blk.entries}
+    try:
+        moved = _move_rest(model, offloaded, dev)
+    except torch.OutOfMemoryError:
+        ring.close()
+        for blk in blocks:
+            for seg in blk.segments:
+                seg.host = None
+        raise torch.OutOfMemoryError(f"{API}: no device memory on {dev} for the part of the model that is not "
+                                     f"offloaded (embeddings, head, norms, buffers) next to the ring of "
+                                     f"{ring.device_bytes} bytes; the model was left as it was") from None
     with torch.no_grad():
         views = []
         for blk in blocks:
@@ -467,6 +489,4 @@ def offload_layers(model: nn.Module, *, prefetch: int = 2, layers: Optional[Sequ
                 e.host_ptr = v.data_ptr()
                 if grad is not None:
                     p.grad = grad.to(device="cpu", dtype=e.host_dtype)
-    offloaded = {id(e.param) for blk in blocks for e in blk.entries}
-    moved = _move_rest(model, offloaded, dev)
     return LayerOffload(model, blocks, shared, ring, prefetch, pool, moved)
