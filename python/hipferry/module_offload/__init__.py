@@ -2,6 +2,7 @@
 prefetch (:func:`offload_layers`), and saved activations offloaded during
 training (:class:`offload_activations`)."""
 from .activations import offload_activations
-from .layers import LayerOffload, offload_layers
+from .layer_offload import LayerOffload
+from .layers import offload_layers
 
 __all__ = ["offload_layers", "LayerOffload", "offload_activations"]
