@@ -154,3 +154,34 @@ def test_a_failure_while_moving_the_rest_leaves_the_model_as_it_was(monkeypatch)
     x = torch.randn(3, 4)
     assert torch.equal(model[2](model[0](x)), ref[2](ref[0](x)))
     pool.close()
+
+
+class LNMLPBlock(nn.Module):
+    def __init__(self, d=64):
+        super().__init__()
+        self.ln, self.fc1, self.fc2 = nn.LayerNorm(d), nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return x + self.fc2(torch.relu(self.fc1(self.ln(x))))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_autocast_weight_copies_are_saved_as_references(device):
+    """Under autocast the matmuls save a bfloat16 copy of each weight (or its
+    transpose): those are recognized and made again in backward instead of
+    being kept on the device for every block, and the gradients stay identical."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Sequential(*[LNMLPBlock() for _ in range(4)]),
+                          nn.Linear(64, 4)).to(device)
+    ref = copy.deepcopy(model)
+    handle = hipferry.offload_layers(model, prefetch=2, device=device)
+    x = torch.randn(32, 16, device=device)
+    for step in range(2):
+        for m in (model, ref):
+            m.zero_grad()
+            with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+                y = m(x)
+            y.float().square().sum().backward()
+        assert_same_grads(model, ref)
+    # Two Linear weights per block, two steps: every one of them saved as a reference.
+    assert handle.stats()["saved_weight_casts"] >= 2 * 4 * 2, handle.stats()

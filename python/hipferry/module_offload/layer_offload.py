@@ -19,7 +19,9 @@ Note [offloaded blocks]
   optimizer) steps the host weights in place. ``torch.autograd.grad`` with the host parameters as
   inputs is not supported (they get no gradient through it).
 * Weights that autograd saves for backward are not kept: a saved-tensor hook
-  recognizes views of ring slots and saves (block, offset, shape, stride);
+  recognizes views of ring slots -- and autocast's copies of a whole weight in
+  another dtype (the cast's grad_fn leads to ``_DeviceWeight``; weights that
+  require grad only) -- and saves (block, offset, shape, stride[, dtype]);
   backward brings the block in again, prefetching in reverse order the blocks
   that still have saved weights. Other saved tensors go to the hooks outside
   (activation checkpointing, ``offload_activations``), see saved_hooks.py.
@@ -61,27 +63,33 @@ class _DeviceWeight(torch.autograd.Function):
     """Device copy of a host parameter; its gradient goes back to the host."""
 
     @staticmethod
-    def forward(ctx, anchor, box, sink, entry):
+    def forward(ctx, anchor, box, sink, entry, where):
         # `anchor`: a leaf that requires grad, so the output does; not the host
         # parameter, whose AccumulateGrad node would run its post-accumulate-grad
         # hooks with no gradient (the sink delivers it at the end of backward).
-        ctx.sink, ctx.entry = sink, entry
+        # `where`: (block, entry index), for recognizing casts of it (autocast).
+        ctx.sink, ctx.entry, ctx.where = sink, entry, where
         return box.t
 
     @staticmethod
     def backward(ctx, grad):
         ctx.sink.add(ctx.entry, grad)
-        return None, None, None, None
+        return None, None, None, None, None
 
 
 class _WeightRef:
-    """What autograd keeps of a saved weight view: where it is, not its memory."""
-    __slots__ = ("owner", "block", "dtype", "size", "stride", "offset", "versions", "__weakref__")
+    """What autograd keeps of a saved weight view: where it is, not its memory
+    (`cast`: it was a copy of it in that dtype, made by autocast; made again)."""
+    __slots__ = ("owner", "block", "dtype", "size", "stride", "offset", "versions", "cast", "view", "__weakref__")
 
-    def __init__(self, owner: "LayerOffload", block: int, t: torch.Tensor, versions: Tuple[int, ...]):
+    def __init__(self, owner: "LayerOffload", block: int, t: torch.Tensor, versions: Tuple[int, ...],
+                 cast: Optional[torch.Tensor] = None):
         self.owner, self.block = owner, block
         self.dtype, self.size, self.stride, self.offset = t.dtype, t.size(), t.stride(), t.storage_offset()
         self.versions = versions
+        # The saved cast (or a view of it, e.g. its transpose): its dtype and geometry.
+        self.cast = None if cast is None else cast.dtype
+        self.view = None if cast is None else (cast.size(), cast.stride(), cast.storage_offset())
         owner._live[block] += 1
 
     def __del__(self):
@@ -102,6 +110,7 @@ class LayerOffload:
         self._stale = False             # a backward ended since the last model call (an optimizer may step)
         self._unpack_slot = None        # slot of the last weight handed to backward (see _unpack)
         self._anchor = torch.zeros((), requires_grad=True)  # see _DeviceWeight
+        self._saved_casts = 0           # autocast copies of weights saved as references
         self._live = [0] * len(blocks)
         self._order = list(range(len(blocks)))  # blocks in call order of the last complete model call
         self._pass: Optional[List[int]] = None  # of the model call running now
@@ -127,6 +136,7 @@ class LayerOffload:
                 "slot_reuses": s.slot_reuses, "grad_bytes_moved": self._sink.bytes_moved,
                 "grad_max_in_flight": self._sink.max_in_flight,
                 "grad_peak_in_flight_bytes": self._sink.peak_in_flight_bytes,
+                "saved_weight_casts": self._saved_casts,
                 "resident_shared": list(self.resident_shared)}
 
     @property
@@ -278,8 +288,8 @@ class LayerOffload:
             tensors = self.ring.tensors(b, slot)
             grad_mode = torch.is_grad_enabled()
             if grad_mode:
-                tensors = [_DeviceWeight.apply(self._anchor, _Box(t), self._sink, e) if e.param.requires_grad else t
-                           for e, t in zip(blk.entries, tensors)]
+                tensors = [_DeviceWeight.apply(self._anchor, _Box(t), self._sink, e, (b, i)) if e.param.requires_grad
+                           else t for i, (e, t) in enumerate(zip(blk.entries, tensors))]
             for e, t in zip(blk.entries, tensors):
                 for m, attr in e.refs:
                     m._parameters[attr] = t
@@ -301,9 +311,28 @@ class LayerOffload:
 
     def _pack(self, outer, versions: Tuple[int, ...], t: torch.Tensor) -> Any:
         slot = self.ring.slot_of(t)
-        if slot is None or slot.block is None:
-            return Passed(outer, t)
-        return _WeightRef(self, slot.block, t, versions)
+        if slot is not None and slot.block is not None:
+            return _WeightRef(self, slot.block, t, versions)
+        source = self._cast_source(t if t._base is None else t._base)
+        if source is not None:
+            b, i = source
+            self._saved_casts += 1
+            return _WeightRef(self, b, self.ring.tensors(b, slot=None, only=i)[0], versions, cast=t)
+        return Passed(outer, t)
+
+    def _cast_source(self, t: torch.Tensor) -> Optional[Tuple[int, int]]:
+        """(block, entry) when `t` is a whole-weight dtype copy of a ring weight
+        (autocast's cast before a matmul), else None."""
+        fn = t.grad_fn
+        if fn is None or type(fn).__name__ != "ToCopyBackward0" or not fn.next_functions:
+            return None
+        src = fn.next_functions[0][0]
+        if getattr(src, "sink", None) is not self._sink:
+            return None
+        b, i = src.where
+        if tuple(t.shape) != self.blocks[b].entries[i].shape or not t.is_contiguous():
+            return None
+        return b, i
 
     def _unpack(self, obj: Any) -> torch.Tensor:
         if isinstance(obj, Passed):
@@ -323,4 +352,7 @@ class LayerOffload:
         slot = self.ring.acquire(obj.block, self._backward_future(obj.block), self.prefetch, pin=True)
         self._unpack_slot = slot
         t = torch.empty(0, dtype=obj.dtype, device=self.device)
-        return t.set_(slot.storage.untyped_storage(), obj.offset, obj.size, obj.stride)
+        t.set_(slot.storage.untyped_storage(), obj.offset, obj.size, obj.stride)
+        if obj.cast is None:
+            return t
+        return t.to(obj.cast).as_strided(*obj.view)  # the cast is contiguous like the weight

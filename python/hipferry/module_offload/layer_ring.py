@@ -285,11 +285,13 @@ class LayerRing:
         self.stats.prefetches += int(ahead)
         self.stats.log.append(("prefetch" if ahead else "fetch", b, slot.index))
 
-    def tensors(self, b: int, slot: Slot) -> List[torch.Tensor]:
-        """Fresh device tensors (not views autograd tracks) of block b's weights in `slot`."""
+    def tensors(self, b: int, slot: Optional[Slot], only: Optional[int] = None) -> List[torch.Tensor]:
+        """Fresh device tensors (not views autograd tracks) of block b's weights in
+        `slot` (None: a placeholder storage, for their layout only); `only`: one entry."""
         out = []
-        storage = slot.storage.untyped_storage()
-        for e in self.blocks[b].entries:
+        storage = (slot or self.slots[0]).storage.untyped_storage()
+        entries = self.blocks[b].entries
+        for e in entries if only is None else [entries[only]]:
             seg = self.blocks[b].segments[e.segment]
             off = seg.slot_byte_offset // e.device_dtype.itemsize + e.offset
             t = torch.empty(0, dtype=e.device_dtype, device=self.device)
