@@ -115,7 +115,6 @@ class LayerOffload:
         self._order = list(range(len(blocks)))  # blocks in call order of the last complete model call
         self._pass: Optional[List[int]] = None  # of the model call running now
         self._pos = 0
-        self._bpos = 0
         self._closed = False
         self._hooks = [model.register_forward_pre_hook(self._pass_start),
                        model.register_forward_hook(self._pass_end, always_call=True)]
