@@ -1,3 +1,5 @@
+import gc
+
 import pytest
 import torch
 
@@ -8,3 +10,15 @@ def gpu_available() -> bool:
 
 
 requires_gpu = pytest.mark.skipif(not gpu_available(), reason="needs a GPU visible to torch and hipferry")
+
+
+@pytest.fixture
+def pool():
+    """A 64 MiB pool of its own, checked and closed after the test (modules with
+    other needs define their own `pool`)."""
+    import hipferry
+    p = hipferry.PinnedPool(capacity="64MiB")
+    yield p
+    gc.collect()
+    p.check_invariants()
+    p.close()

@@ -223,6 +223,18 @@ def assert_same_buffers(model, ref):
         assert_same(b, r, f"buffer {name}")
 
 
+def assert_same_training_steps(model, ref, device, steps, label="output", also=None):
+    """`steps` training steps of both models on the same batches: outputs and
+    every gradient bitwise equal each step (and `also(model, ref)` if given)."""
+    for step in range(steps):
+        x = model.example(step, device)
+        model.zero_grad(), ref.zero_grad()
+        assert_same_outputs(train_step(model, x), train_step(ref, x), f"{label} {step}")
+        assert_same_grads(model, ref)
+        if also is not None:
+            also(model, ref)
+
+
 def snapshot_params(model):
     """name -> (parameter object, device, dtype, value clone)."""
     return {n: (p, p.device, p.dtype, p.detach().clone()) for n, p in model.named_parameters()}

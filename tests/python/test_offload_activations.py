@@ -5,7 +5,6 @@ OffloadAdamW steps, with non-contiguous saved tensors, with retain_graph), the
 counters follow Note [offloaded activations] (what is kept, deduplication, the
 max_in_flight bound, prefetch hits), the pool memory is given back after backward,
 and bad arguments are rejected naming the argument."""
-import gc
 
 import pytest
 import torch
@@ -18,15 +17,6 @@ from offload_module_helpers import (DEVICES, assert_same, assert_same_grads, ass
 
 MIN_BYTES = 8192  # BIG's activations are 16 KiB and 32 KiB: offloaded; its biases are parameters: kept
 BIG = dict(d=64, hidden=(128,) * 4, n_in=32, batch=64)
-
-
-@pytest.fixture
-def pool():
-    p = hipferry.PinnedPool(capacity="64MiB")
-    yield p
-    gc.collect()
-    p.check_invariants()
-    p.close()
 
 
 def offloaded_step(model, x, seed=None, **kw):

@@ -21,15 +21,6 @@ DEVICES = ["cpu", pytest.param("cuda", marks=requires_gpu)]
 HYPER = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
 
 
-@pytest.fixture
-def pool():
-    p = hipferry.PinnedPool(capacity="64MiB")
-    yield p
-    gc.collect()
-    p.check_invariants()
-    p.close()
-
-
 def make_model(device="cpu", seed=0):
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8), torch.nn.Tanh(),

@@ -13,6 +13,7 @@ import torch
 import hipferry
 from hipferry.optim import OffloadAdamW
 from offload_module_helpers import (DEVICES, PlacedReference, TiedNet, assert_same, assert_same_buffers,
+                                    assert_same_training_steps,
                                     assert_same_grads, assert_same_outputs, assert_same_params, block_param_names,
                                     call, loss_of, make_buffer_net, make_gpt, make_mlp, make_tied,
                                     model_and_reference, padded_bytes, pool_in_use, snapshot_params, train_step)
@@ -71,7 +72,7 @@ def test_train_with_dropout_outputs_and_grads_equal(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_no_grad_outputs_equal(device):
     model, ref = model_and_reference(make_gpt, device, dropout=0.2)
-    handle = hipferry.offload_layers(model, device=device)
+    hipferry.offload_layers(model, device=device)
     with torch.no_grad():
         for step in range(3):
             x = model.example(step, device)
@@ -96,7 +97,7 @@ def test_model_called_twice_per_step(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_gradient_accumulation_and_post_accumulate_hooks(device):
     model, ref = model_and_reference(make_gpt, device)
-    handle = hipferry.offload_layers(model, device=device)
+    hipferry.offload_layers(model, device=device)
     calls = []
     p = model.blocks[2].fc2.weight
     p.register_post_accumulate_grad_hook(lambda t: calls.append(None if t.grad is None else t.grad.clone()))
@@ -118,7 +119,7 @@ def test_training_steps_keep_parameters_equal(device, optimizer):
         make_opt = lambda params: OffloadAdamW(params, lr=1e-2, weight_decay=0.1, step_on="cpu", min_offload_numel=64)
     model, ref = model_and_reference(make_gpt, device, dropout=0.1)
     initial = snapshot_params(ref)
-    handle = hipferry.offload_layers(model, device=device)
+    hipferry.offload_layers(model, device=device)
     opt, ref_opt = make_opt(list(model.parameters())), PlacedReference(ref, model, make_opt)
     for step in range(3):
         x = model.example(step, device)
@@ -144,11 +145,7 @@ def test_blocks_of_different_sizes(device):
     s = handle.stats()
     assert s["slot_bytes"] == max(sizes) > min(sizes)
     assert s["host_bytes"] == sum(sizes) and s["device_bytes"] == 2 * max(sizes)
-    for step in range(2):
-        x = model.example(step, device)
-        model.zero_grad(), ref.zero_grad()
-        assert_same_outputs(train_step(model, x), train_step(ref, x), f"output {step}")
-        assert_same_grads(model, ref)
+    assert_same_training_steps(model, ref, device, 2)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -164,26 +161,17 @@ def test_shared_weights_stay_on_device(device):
     for name, p in model.named_parameters():  # named_parameters lists a shared one once
         if name.startswith("blocks.") and all(p is not s for s in shared):
             assert p.device.type == "cpu", f"{name} was not offloaded"
-    for step in range(2):
-        x = model.example(step, device)
-        model.zero_grad(), ref.zero_grad()
-        assert_same_outputs(train_step(model, x), train_step(ref, x), f"output {step}")
-        assert_same_grads(model, ref)
+    assert_same_training_steps(model, ref, device, 2)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_buffers_stay_on_device_and_update(device):
     model, ref = model_and_reference(make_buffer_net, device)
     buffers_before = {n: b.clone() for n, b in ref.named_buffers()}
-    handle = hipferry.offload_layers(model, device=device)
+    hipferry.offload_layers(model, device=device)
     for name, b in model.named_buffers():
         assert b.device.type == device, f"buffer {name} on {b.device}"
-    for step in range(3):
-        x = model.example(step, device)
-        model.zero_grad(), ref.zero_grad()
-        assert_same_outputs(train_step(model, x), train_step(ref, x), f"train output {step}")
-        assert_same_grads(model, ref)
-        assert_same_buffers(model, ref)
+    assert_same_training_steps(model, ref, device, 3, "train output", also=assert_same_buffers)
     for name, b in ref.named_buffers():
         assert not torch.equal(b, buffers_before[name]), f"buffer {name} was not updated in train mode"
     model.eval(), ref.eval()
@@ -248,11 +236,7 @@ def test_weight_tied_within_a_block(device):
     handle = hipferry.offload_layers(model, device=device)
     assert handle.stats()["resident_shared"] == []
     assert all(blk.fc2.weight is blk.fc1.weight and blk.fc1.weight.device.type == "cpu" for blk in model.blocks)
-    for step in range(2):
-        x = model.example(step, device)
-        model.zero_grad(), ref.zero_grad()
-        assert_same_outputs(train_step(model, x), train_step(ref, x), f"output {step}")
-        assert_same_grads(model, ref)
+    assert_same_training_steps(model, ref, device, 2)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -309,11 +293,7 @@ def test_rest_of_model_moves_to_device_and_back():
 def test_activation_checkpointing_around_blocks(device):
     model, ref = model_and_reference(make_gpt, device, checkpoint=True)
     handle = hipferry.offload_layers(model, device=device)
-    for step in range(2):
-        x = model.example(step, device)
-        model.zero_grad(), ref.zero_grad()
-        assert_same_outputs(train_step(model, x), train_step(ref, x), f"output {step}")
-        assert_same_grads(model, ref)
+    assert_same_training_steps(model, ref, device, 2)
     # Recomputation in backward runs each block again: more uses than forward alone.
     assert sum(1 for w, _, _ in handle.log if w in USES) > 2 * 4
 

@@ -3,7 +3,6 @@ naming the argument) and leaves the model as it was -- the same parameter object
 the same device with the same values, block forwards not wrapped, outputs equal to an
 untouched reference -- and the pool as it was (no host memory kept). Also: offloading
 blocks that are already offloaded, and a parameter replaced after offload."""
-import gc
 import re
 
 import pytest
@@ -14,15 +13,6 @@ import hipferry
 from offload_module_helpers import (MLPNet, assert_same, assert_same_grads, assert_same_outputs, make_gpt, make_mlp,
                                     model_and_reference, pool_in_use, snapshot_params)
 from conftest import gpu_available
-
-
-@pytest.fixture
-def pool():
-    p = hipferry.PinnedPool(capacity="64MiB")
-    yield p
-    gc.collect()
-    p.check_invariants()
-    p.close()
 
 
 def check_rejected(call, exc, patterns, model, ref, pool):

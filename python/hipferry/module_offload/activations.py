@@ -209,11 +209,8 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):
             return
         rec.host = rec.transfer.wait()
         rec.transfer, rec.source = None, None
-        try:
-            self._in_flight.remove(rec)
-            self._in_flight_bytes -= rec.nbytes
-        except ValueError:
-            pass
+        self._in_flight.remove(rec)  # (a record with a transfer is always in flight)
+        self._in_flight_bytes -= rec.nbytes
 
     # ------------------------------------------------------------ backward
     def _unpack(self, obj: Any) -> torch.Tensor:

@@ -157,6 +157,13 @@ def plan_blocks(model: nn.Module, layers: List[nn.Module], host_dtype: Optional[
     return blocks, shared
 
 
+def release_host_buffers(blocks: List[Block]) -> None:
+    """Drops the blocks' pool buffers (the pool reuses them once nothing views them)."""
+    for blk in blocks:
+        for seg in blk.segments:
+            seg.host = None
+
+
 def _unique_params(module: nn.Module) -> List[nn.Parameter]:
     seen, out = set(), []
     for m in module.modules():

@@ -72,8 +72,7 @@ class GradSink:
             by_param = self.pending.pop(task, {})
             self._settle(lambda: True)  # every copy in flight (nested backwards' too): nothing waited twice
         self.after_flush()
-        for entry, items in by_param.values():
-            grads = [t.wait() if isinstance(t, Transfer) else t for t in items]
+        for entry, grads in by_param.values():  # all host tensors now
             total = grads[0]
             for g in grads[1:]:
                 total.add_(g)

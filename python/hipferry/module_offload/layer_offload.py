@@ -43,7 +43,7 @@ from torch import nn
 
 from ..pool import PinnedPool
 from ..trace import trace_region
-from .block_layout import Block
+from .block_layout import Block, release_host_buffers
 from .grad_sink import GradSink
 from .layer_ring import LayerRing
 from .saved_hooks import Passed, current_hooks
@@ -187,8 +187,7 @@ class LayerOffload:
                     p.data = p.data.to(device=e.orig_device, dtype=e.device_dtype, copy=True)
                     if grad is not None:
                         p.grad = grad.to(device=e.orig_device, dtype=e.device_dtype)
-                for seg in blk.segments:
-                    seg.host = None
+            release_host_buffers(self.blocks)
             for move_back in self._moved_back:
                 move_back()
         self.ring.close()

@@ -66,8 +66,7 @@ class _StreamCopier:
     def drain(self) -> None:
         self.stream.synchronize()
 
-    def close(self) -> None:
-        self.stream.synchronize()
+    close = drain
 
 
 class _ThreadCopier:
@@ -209,8 +208,7 @@ class LayerRing:
         self.copier.drain()
 
     def close(self) -> None:
-        self.synchronize()
-        self.copier.close()
+        self.copier.close()  # waits for every copy started
         self.resident.clear()
         self.slots, self.by_storage = [], {}
 

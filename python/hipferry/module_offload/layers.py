@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from ..pool import PinnedPool, default_pool
-from .block_layout import check_layers, default_layers, plan_blocks
+from ..transfer import _resolve_device as resolve_device
+from .block_layout import check_layers, default_layers, plan_blocks, release_host_buffers
 from .layer_offload import API, LayerOffload
 from .layer_ring import LayerRing
 
@@ -26,18 +27,12 @@ def _resolve_device(model: nn.Module, device: Any) -> torch.device:
         if _C.device_count() > 0:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
-    try:
-        d = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"{API}: device {device!r} is not a device; expected 'cpu', 'cuda', 'cuda:N' or "
-                         "a torch.device") from None
+    d = resolve_device(device, API)  # 'cpu' or 'cuda[:N]', named in the error otherwise
     if d.type == "cuda":
         if _C.device_count() == 0:
             raise ValueError(f"{API}: device {d} requested but this hipferry build or machine has no GPU")
         if d.index is None:
             d = torch.device("cuda", torch.cuda.current_device())
-    elif d.type != "cpu":
-        raise ValueError(f"{API}: device {d} is not supported; expected 'cpu' or a GPU ('cuda', 'cuda:N')")
     return d
 
 
@@ -130,9 +125,7 @@ def offload_layers(model: nn.Module, *, prefetch: int = 2, layers: Optional[Sequ
             for seg in blk.segments:
                 seg.host = pool.empty(seg.numel, dtype=seg.host_dtype)
     except torch.OutOfMemoryError as e:
-        for blk in blocks:
-            for seg in blk.segments:
-                seg.host = None
+        release_host_buffers(blocks)
         st = pool.stats()
         raise torch.OutOfMemoryError(
             f"{API}: the pool is too small for the offloaded weights: they need {need} bytes on the host "
@@ -142,9 +135,7 @@ def offload_layers(model: nn.Module, *, prefetch: int = 2, layers: Optional[Sequ
     try:
         ring = LayerRing(blocks, num_slots, dev)
     except torch.OutOfMemoryError:
-        for blk in blocks:
-            for seg in blk.segments:
-                seg.host = None
+        release_host_buffers(blocks)
         slot = max(b.slot_bytes for b in blocks)
         raise torch.OutOfMemoryError(f"{API}: no device memory for the ring: {num_slots} slots x {slot} bytes on "
                                      f"{dev}; use a smaller prefetch") from None
@@ -153,29 +144,24 @@ def offload_layers(model: nn.Module, *, prefetch: int = 2, layers: Optional[Sequ
         moved = _move_rest(model, offloaded, dev)
     except torch.OutOfMemoryError:
         ring.close()
-        for blk in blocks:
-            for seg in blk.segments:
-                seg.host = None
+        release_host_buffers(blocks)
         raise torch.OutOfMemoryError(f"{API}: no device memory on {dev} for the part of the model that is not "
                                      f"offloaded (embeddings, head, norms, buffers) next to the ring of "
                                      f"{ring.device_bytes} bytes; the model was left as it was") from None
     with torch.no_grad():
+        # Every copy first, then the parameters are repointed.
         views = []
         for blk in blocks:
             for e in blk.entries:
-                seg = blk.segments[e.segment]
-                v = seg.host[e.offset:e.offset + e.numel].view(e.shape)
+                v = blk.segments[e.segment].host[e.offset:e.offset + e.numel].view(e.shape)
                 v.copy_(e.param.detach())  # converts to the host dtype
-                views.append(v)
-        i = 0
-        for blk in blocks:
-            for e in blk.entries:
-                p, v = e.param, views[i]
-                i += 1
-                grad = p.grad
-                p.grad = None
-                p.data = v
-                e.host_ptr = v.data_ptr()
-                if grad is not None:
-                    p.grad = grad.to(device="cpu", dtype=e.host_dtype)
+                views.append((e, v))
+        for e, v in views:
+            p = e.param
+            grad = p.grad
+            p.grad = None
+            p.data = v
+            e.host_ptr = v.data_ptr()
+            if grad is not None:
+                p.grad = grad.to(device="cpu", dtype=e.host_dtype)
     return LayerOffload(model, blocks, shared, ring, prefetch, pool, moved)
