@@ -14,8 +14,8 @@
 //   convert.h (IEEE RNE, quiet NaN keeping sign and payload bits); GoogleTest
 //   checks that over all 2^32 float32 and 2^16 float16 inputs. The software
 //   integer path is several times slower out of cache. The GPU runs convert.h.
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && \
-    !defined(HIPFERRY_NO_F16C)
+#include "cpu/cpu_isa.h"
+#ifdef HIPFERRY_HAVE_AVX2_BUILD
 #include <immintrin.h>
 #define HIPFERRY_HAVE_F16C_PATH 1
 #endif
@@ -23,12 +23,8 @@ namespace hipferry {
 namespace {
 
 #ifdef HIPFERRY_HAVE_F16C_PATH
-bool cpu_has_f16c() {
-  // Every AVX2 CPU has F16C (Intel Haswell+, AMD since Piledriver), and every
-  // compiler knows the "avx2" feature name (older Clang rejects "f16c").
-  static const bool has = __builtin_cpu_supports("avx2");
-  return has;
-}
+// The AVX2 build (cpu_isa.h) includes F16C: every AVX2 CPU has it.
+bool cpu_has_f16c() { return cpu::active_isa() == cpu::Isa::kAvx2; }
 #endif
 
 template <class From, class To>

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/copy_cast_cpu.h"
+#include "core/cpu/cpu_isa.h"
 #include "pinned_memory.h"
 #include "runtime.h"
 
@@ -24,6 +25,9 @@ py::dict build_info() {
   d["driver_version"] = b.driver_version;
   d["torch_version_built_against"] = HIPFERRY_TORCH_VERSION;
   d["cpu_f16c"] = copy_cast_cpu_uses_f16c();
+  // The build of the CPU loops in use (HIPFERRY_CPU_ISA), and the best this CPU runs.
+  d["cpu_isa"] = cpu::isa_name(cpu::active_isa());
+  d["cpu_isa_best"] = cpu::isa_name(cpu::best_isa());
   return d;
 }
 
@@ -89,6 +93,8 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "hipferry native module: ops are under torch.ops.hipferry";
   py::register_exception<rt::Error>(m, "RuntimeLayerError", PyExc_RuntimeError);
   m.def("build_info", &build_info, "What this binary was built for.");
+  m.def("cpu_isa", [] { return cpu::isa_name(cpu::active_isa()); },
+        "The build of the CPU loops in use: 'avx2' or 'baseline' (HIPFERRY_CPU_ISA; ValueError if invalid).");
   m.def("device_count", &rt::device_count, "GPU devices visible to the runtime (0 without).");
   m.def("device_info", &device_info, py::arg("device"));
   m.def("check_host_memory", &check_host_memory, py::arg("device"), py::arg("bytes"),

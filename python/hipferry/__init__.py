@@ -5,6 +5,8 @@ Importing hipferry registers its ops under ``torch.ops.hipferry``.
 import torch  # noqa: F401  (loads libc10/libtorch before the extension)
 
 from . import _C  # noqa: F401  (registers torch.ops.hipferry.*)
+
+_C.cpu_isa()  # a bad HIPFERRY_CPU_ISA fails here, in one sentence, not inside a later op
 from . import optim  # noqa: F401  (hipferry.optim.OffloadAdamW)
 from .module_offload import LayerOffload, offload_activations, offload_layers
 from .ops import copy_cast_

@@ -1,13 +1,17 @@
 // The fused AdamW step on raw arrays: against a double-precision model of
-// torch.optim.AdamW, in pieces vs whole, mixed precision, amsgrad, maximize.
-// (The comparison with torch itself, step by step, is in tests/python.)
+// AdamW (a bound in ulps per step, and a trajectory), in pieces vs whole,
+// mixed precision, amsgrad, maximize, the HIPFERRY_CPU_ISA parser.
+// (The comparison with torch itself, within torch's tolerances, is in tests/python.)
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <random>
+#include <stdexcept>
 #include <vector>
 
 #include "convert.h"
+#include "cpu/cpu_isa.h"
 #include "optim/adamw_cpu.h"
 
 namespace hipferry::optim {
@@ -34,13 +38,13 @@ struct State {
   }
 };
 
-// torch.optim.AdamW's formulas in double: what float32 must stay close to.
+// AdamW's formulas in double: what a float32 trajectory must stay close to.
 struct Reference {
   double p, m = 0, v = 0, vmax = 0;
   void step(double g, const AdamWHyper& h, int t) {
     if (h.maximize) g = -g;
     p *= 1 - h.lr * h.weight_decay;
-    m = m + (1 - h.beta1) * (g - m);
+    m = h.beta1 * m + (1 - h.beta1) * g;
     v = h.beta2 * v + (1 - h.beta2) * g * g;
     vmax = std::max(vmax, v);
     const double second = h.amsgrad ? vmax : v;
@@ -65,6 +69,116 @@ void expect_close_to_reference(const AdamWHyper& h) {
     ASSERT_NEAR(s.m[i], ref[i].m, 1e-5 * std::abs(ref[i].m) + 1e-9) << "element " << i;
     ASSERT_NEAR(s.v[i], ref[i].v, 1e-5 * std::abs(ref[i].v) + 1e-12) << "element " << i;
   }
+}
+
+// float32 ulps of `scale`: the unit of the per-step bounds below.
+double ulps(double err, double scale) {
+  if (scale == 0) return err == 0 ? 0 : INFINITY;
+  int e;
+  std::frexp(scale, &e);                  // scale = f * 2^e, f in [0.5, 1)
+  return err / std::ldexp(1.0, e - 24);   // float32's ulp at scale
+}
+
+// One step from the SAME float32 state, against the double model evaluated
+// on those float32 values with the exact (double) hyperparameters. Each
+// result's error is bounded in ulps of the sum of the magnitudes of its terms
+// (the textbook bound of a few correctly rounded operations; cancellation
+// cannot hide behind it), so the bound holds per step, on every machine.
+void expect_step_within_ulps(const AdamWHyper& h, int t) {
+  constexpr std::size_t n = 4096;
+  State s(n, 21 + t);
+  std::mt19937 rng(5 + t);
+  std::normal_distribution<float> d(0.f, 1.f);
+  for (std::size_t i = 0; i < n; ++i) {  // a state in the middle of training: moments of mixed size and sign
+    s.m[i] = d(rng) * 1e-2f;
+    s.v[i] = std::abs(d(rng)) * 1e-4f + (i % 7 == 0 ? 0.f : 1e-6f);
+    s.vmax[i] = s.v[i] * (i % 3 == 0 ? 2.f : 0.5f);
+  }
+  const State before = s;
+  adamw_cpu(s.arrays(), adamw_scalars(h, t), 0, n);
+  double worst_p = 0, worst_m = 0, worst_v = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    double g = before.g[i];
+    if (h.maximize) g = -g;
+    const double p0 = before.p[i], m0 = before.m[i], v0 = before.v[i];
+    const double m = h.beta1 * m0 + (1 - h.beta1) * g;
+    const double v = h.beta2 * v0 + (1 - h.beta2) * g * g;
+    // The moments this step really produced feed the parameter's model, so
+    // the parameter's bound covers its own operations only.
+    const double mf = s.m[i], vf = s.v[i];
+    const double second = h.amsgrad ? std::max<double>(before.vmax[i], vf) : vf;
+    const double decayed = p0 * (1 - h.lr * h.weight_decay);
+    const double update = h.lr / (1 - std::pow(h.beta1, t)) * mf /
+                          (std::sqrt(second) / std::sqrt(1 - std::pow(h.beta2, t)) + h.eps);
+    const double p = decayed - update;
+    worst_m = std::max(worst_m, ulps(std::abs(s.m[i] - m), std::abs(h.beta1 * m0) + std::abs((1 - h.beta1) * g)));
+    worst_v = std::max(worst_v, ulps(std::abs(s.v[i] - v), std::abs(h.beta2 * v0) + (1 - h.beta2) * g * g));
+    worst_p = std::max(worst_p, ulps(std::abs(s.p[i] - p), std::abs(decayed) + std::abs(update)));
+  }
+  // m and v: two products, one sum and the rounding of two scalars: <= 2 ulps.
+  // The parameter: the decay product, sqrt, two divisions, two sums and the
+  // rounded step scalars: <= 4 ulps. A wrong formula misses by millions.
+  EXPECT_LE(worst_m, 2.0) << "step " << t;
+  EXPECT_LE(worst_v, 2.0) << "step " << t;
+  EXPECT_LE(worst_p, 4.0) << "step " << t;
+}
+
+TEST(AdamWCpu, EveryStepIsWithinFewUlpsOfTheDoubleModel) {
+  AdamWHyper h;
+  h.weight_decay = 0.05;
+  for (int t : {1, 2, 10, 1000}) expect_step_within_ulps(h, t);
+  h.amsgrad = true;
+  h.maximize = true;
+  h.lr = 3e-2;
+  for (int t : {1, 7, 500}) expect_step_within_ulps(h, t);
+  h.weight_decay = 0;
+  h.beta1 = 0.5;
+  h.beta2 = 0.99;
+  for (int t : {1, 3}) expect_step_within_ulps(h, t);
+}
+
+// The AVX2 build and the baseline build agree bit for bit (no FMA, only
+// correctly rounded operations), over every instance: grad/out types, amsgrad.
+TEST(AdamWCpu, Avx2AndBaselineBuildsGiveTheSameBits) {
+  if (cpu::best_isa() != cpu::Isa::kAvx2) GTEST_SKIP() << "this CPU has no AVX2";
+  constexpr std::size_t n = 1003;  // a remainder after the 8-wide body
+  for (bool amsgrad : {false, true}) {
+    for (ElementType grad_type : {ElementType::kFloat32, ElementType::kBFloat16, ElementType::kFloat16}) {
+      AdamWHyper h;
+      h.amsgrad = amsgrad;
+      h.maximize = amsgrad;
+      State wide(n, 9), base(n, 9);
+      std::vector<std::uint16_t> g16(n), out_wide(n), out_base(n);
+      for (std::size_t i = 0; i < n; ++i) g16[i] = f32_to_bf16_rne(wide.g[i]);
+      AdamWArrays a = wide.arrays(), b = base.arrays();
+      if (grad_type != ElementType::kFloat32) {
+        a.grad = b.grad = g16.data();
+        a.grad_type = b.grad_type = grad_type;
+        a.param_out = out_wide.data();
+        b.param_out = out_base.data();
+        a.out_type = b.out_type = grad_type;
+      }
+      for (int t = 1; t <= 5; ++t) {
+        adamw_cpu_isa(cpu::Isa::kAvx2, a, adamw_scalars(h, t), 0, n);
+        adamw_cpu_isa(cpu::Isa::kBaseline, b, adamw_scalars(h, t), 0, n);
+      }
+      EXPECT_EQ(0, std::memcmp(wide.p.data(), base.p.data(), n * 4)) << element_type_name(grad_type);
+      EXPECT_EQ(0, std::memcmp(wide.m.data(), base.m.data(), n * 4));
+      EXPECT_EQ(0, std::memcmp(wide.v.data(), base.v.data(), n * 4));
+      EXPECT_EQ(0, std::memcmp(wide.vmax.data(), base.vmax.data(), n * 4));
+      EXPECT_EQ(out_wide, out_base);
+    }
+  }
+}
+
+TEST(CpuIsa, ParsesTheVariableAndRejectsWhatCannotRun) {
+  EXPECT_EQ(cpu::parse_isa("", cpu::Isa::kAvx2), cpu::Isa::kAvx2);
+  EXPECT_EQ(cpu::parse_isa("auto", cpu::Isa::kBaseline), cpu::Isa::kBaseline);
+  EXPECT_EQ(cpu::parse_isa("baseline", cpu::Isa::kAvx2), cpu::Isa::kBaseline);
+  EXPECT_EQ(cpu::parse_isa("avx2", cpu::Isa::kAvx2), cpu::Isa::kAvx2);
+  EXPECT_THROW(cpu::parse_isa("avx2", cpu::Isa::kBaseline), std::invalid_argument);
+  EXPECT_THROW(cpu::parse_isa("avx512", cpu::Isa::kAvx2), std::invalid_argument);
+  EXPECT_STREQ(cpu::isa_name(cpu::Isa::kBaseline), "baseline");
 }
 
 TEST(AdamWCpu, MatchesTheDoubleModelOverFiftySteps) { expect_close_to_reference(AdamWHyper{}); }

@@ -5,14 +5,10 @@ tensors lie both below and above ``min_offload_numel`` (MIN_OFFLOAD),
 deterministic batches, SideBySide (OffloadAdamW and torch.optim.AdamW driven in
 lockstep on the same gradients) and the comparison against torch.optim.AdamW.
 
-Tolerances: torch's vectorized float sqrt is Sleef's (within 0.5001 ulp) while
-hipferry's is correctly rounded, so a few elements per thousand differ by an
-ulp per step; over a trajectory on the same gradients (SideBySide) the
-parameters agree to a normwise relative difference of 1e-6 and at least 99% of
-the elements stay bit-identical (against a CPU reference; torch's CUDA AdamW
-fuses its addcmul/addcdiv, so against it only the normwise bound holds). That needs learning rates around 1e-3 here
-(HYPER): with 1e-2 an ulp in the denominator flips the rounding of the
-parameter often enough to leave ~98.5% bit-identical after 100 steps."""
+Tolerances: against torch.optim.AdamW, torch's own (assert_close_to_torch).
+torch is not bit-identical to itself across CPU capabilities, so nothing here
+compares bit for bit with it; bit identity is asserted only where hipferry
+computes both sides (one engine against the other, GPU against CPU)."""
 import copy
 
 import pytest
@@ -186,23 +182,17 @@ def flat(tensors):
 
 
 def assert_close_to_torch(got, want, what="parameters"):
-    """fp32 tensors from OffloadAdamW vs torch.optim.AdamW: each tensor within a normwise relative
-    difference of 1e-6, and >= 99% of all elements bit-identical."""
+    """fp32 tensors from OffloadAdamW vs torch.optim.AdamW, within torch's own tolerances: the
+    torch.testing.assert_close defaults (float32: rtol 1.3e-6, atol 1e-5), which torch's test_optim
+    uses between its for-loop, foreach and fused AdamW. Never bit for bit: torch's CPU kernels differ
+    between CPU capabilities (AVX2, AVX-512, default), and its CUDA kernel fuses addcmul/addcdiv."""
     got, want = list(got), list(want)
     assert len(got) == len(want) and got
     for i, (a, b) in enumerate(zip(got, want)):
         a, b = a.detach().cpu(), b.detach().cpu()
         assert a.shape == b.shape and a.dtype == b.dtype, f"{what}[{i}]: {a.shape}/{a.dtype} vs {b.shape}/{b.dtype}"
         assert torch.isfinite(a).all(), f"{what}[{i}] is not finite"
-        diff = (a.float() - b.float()).abs().max()
-        assert diff <= 1e-6 * b.float().abs().max(), f"{what}[{i}]: max difference {diff} vs max {b.abs().max()}"
-    if any(t.is_cuda for t in want):
-        # torch's CUDA AdamW computes addcmul/addcdiv as fma(value, t1 op t2, self)
-        # (ATen/native/cuda/DeviceAddCmulCdiv.cuh) where hipferry follows the CPU
-        # formulas, so on a GPU reference only the normwise bound above holds.
-        return
-    same = (flat(got) == flat(want)).float().mean()
-    assert same >= 0.99, f"{what}: only {same:.4f} of the elements are bit-identical"
+        torch.testing.assert_close(a, b, msg=lambda m, i=i: f"{what}[{i}]: {m}")
 
 
 def assert_params_moved(before, after):

@@ -9,8 +9,8 @@ engine; GPU params (skipped without a GPU) run both engines.
 
 Both optimizers step on the same gradients (SideBySide copies the model's
 gradients to the torch reference), and the parameters are compared after every
-step: normwise relative difference <= 1e-6 and >= 99% of the elements
-bit-identical; bfloat16: at most one bf16 ulp on <= 1% of the elements."""
+step within torch's own tolerances (never bit for bit: torch's CPU kernels
+differ between CPU capabilities); bfloat16: within one bf16 ulp."""
 import math
 
 import pytest
@@ -102,10 +102,10 @@ def test_bf16_params_with_fp32_master_match_torch_adamw_on_fp32_copy_cast_to_bf1
     got = torch.cat([p.detach().cpu().reshape(-1) for p in run.params])
     want = torch.cat([r.detach().cpu().to(torch.bfloat16).reshape(-1) for r in run.ref_params])
     assert got.dtype == torch.bfloat16
-    differ = got != want
-    assert differ.float().mean() <= 0.01, f"{int(differ.sum())} of {got.numel()} bf16 elements differ"
-    g, w = got[differ].float(), want[differ].float()
-    assert ((g - w).abs() <= w.abs() * 2**-7).all(), "a differing element is at most one bf16 ulp away"
+    # torch's tolerance for bf16 AdamW (its OptimizerInfo's override), and at most one bf16 ulp: the
+    # float32 masters agree within torch's float32 tolerance, so a rounding can fall either way.
+    torch.testing.assert_close(got.float(), want.float(), atol=5e-3, rtol=5e-3)
+    assert ((got.float() - want.float()).abs() <= want.float().abs() * 2**-7).all(), "at most one bf16 ulp"
     for p in run.params:
         master = run.opt.state[p]["master_param"]
         assert master.dtype == torch.float32 and master.shape == p.shape

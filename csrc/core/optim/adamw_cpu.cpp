@@ -1,16 +1,13 @@
 #include "optim/adamw_cpu.h"
 
+#include "cpu/cpu_isa.h"
 #include "dispatch.h"
 
-// An AVX2 + FMA build of the loop, picked at run time where the CPU has it, so
-// the fmaf of the update is one instruction and 8 elements go per step; the
-// baseline build stays correct everywhere. Done by hand (a `target` wrapper
-// around one always-inline body, and __builtin_cpu_supports) rather than with
-// GCC's target_clones: Clang, the host compiler of ROCm builds, cannot clone
-// templates, and TSan builds cannot run clone resolvers (HIPFERRY_NO_F16C).
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(HIPFERRY_NO_F16C)
-#define HIPFERRY_ADAMW_AVX2 1
-#endif
+// An AVX2 build of the loop (8 elements per instruction), picked at run time
+// by cpu::active_isa(); the baseline build stays correct everywhere and gives
+// the same bits (adamw_update has no FMA). Done by hand (a `target` wrapper
+// around one always-inline body) rather than with GCC's target_clones: Clang,
+// the host compiler of ROCm builds, cannot clone templates.
 
 namespace hipferry::optim {
 namespace {
@@ -40,45 +37,46 @@ template <class Grad, class Out, bool kAmsgrad, bool kWriteOut>
   }
 }
 
-#ifdef HIPFERRY_ADAMW_AVX2
+#ifdef HIPFERRY_HAVE_AVX2_BUILD
 template <class Grad, class Out, bool kAmsgrad, bool kWriteOut>
-__attribute__((target("avx2,fma"))) void adamw_loop_avx2(const AdamWArrays& a, const AdamWScalars& s,
+__attribute__((target("avx2,fma,f16c"))) void adamw_loop_avx2(const AdamWArrays& a, const AdamWScalars& s,
                                                           std::int64_t begin, std::int64_t end) {
   adamw_body<Grad, Out, kAmsgrad, kWriteOut>(a, s, begin, end);
 }
-
-bool cpu_has_avx2_fma() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return yes;
-}
 #endif
 
 template <class Grad, class Out, bool kAmsgrad, bool kWriteOut>
-void adamw_loop(const AdamWArrays& a, const AdamWScalars& s, std::int64_t begin, std::int64_t end) {
-#ifdef HIPFERRY_ADAMW_AVX2
-  if (cpu_has_avx2_fma()) return adamw_loop_avx2<Grad, Out, kAmsgrad, kWriteOut>(a, s, begin, end);
+void adamw_loop(cpu::Isa isa, const AdamWArrays& a, const AdamWScalars& s, std::int64_t begin, std::int64_t end) {
+#ifdef HIPFERRY_HAVE_AVX2_BUILD
+  if (isa == cpu::Isa::kAvx2) return adamw_loop_avx2<Grad, Out, kAmsgrad, kWriteOut>(a, s, begin, end);
 #endif
+  (void)isa;
   adamw_body<Grad, Out, kAmsgrad, kWriteOut>(a, s, begin, end);
 }
 
 template <class Grad, class Out>
-void adamw_pick(const AdamWArrays& a, const AdamWScalars& s, std::int64_t begin, std::int64_t end) {
+void adamw_pick(cpu::Isa isa, const AdamWArrays& a, const AdamWScalars& s, std::int64_t begin, std::int64_t end) {
   const bool out = a.param_out != nullptr;
   if (s.amsgrad) {
-    out ? adamw_loop<Grad, Out, true, true>(a, s, begin, end) : adamw_loop<Grad, Out, true, false>(a, s, begin, end);
+    out ? adamw_loop<Grad, Out, true, true>(isa, a, s, begin, end)
+        : adamw_loop<Grad, Out, true, false>(isa, a, s, begin, end);
   } else {
-    out ? adamw_loop<Grad, Out, false, true>(a, s, begin, end)
-        : adamw_loop<Grad, Out, false, false>(a, s, begin, end);
+    out ? adamw_loop<Grad, Out, false, true>(isa, a, s, begin, end)
+        : adamw_loop<Grad, Out, false, false>(isa, a, s, begin, end);
   }
 }
 
 }  // namespace
 
-void adamw_cpu(const AdamWArrays& a, const AdamWScalars& s, std::int64_t begin, std::int64_t end) {
+void adamw_cpu_isa(cpu::Isa isa, const AdamWArrays& a, const AdamWScalars& s, std::int64_t begin, std::int64_t end) {
   if (begin >= end) return;
   dispatch_element_pair(a.grad_type, a.out_type, [&](auto grad_tag, auto out_tag) {
-    adamw_pick<decltype(grad_tag), decltype(out_tag)>(a, s, begin, end);
+    adamw_pick<decltype(grad_tag), decltype(out_tag)>(isa, a, s, begin, end);
   });
+}
+
+void adamw_cpu(const AdamWArrays& a, const AdamWScalars& s, std::int64_t begin, std::int64_t end) {
+  adamw_cpu_isa(cpu::active_isa(), a, s, begin, end);
 }
 
 }  // namespace hipferry::optim

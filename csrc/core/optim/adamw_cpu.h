@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "cpu/cpu_isa.h"
 #include "element_type.h"
 #include "optim/adamw_update.h"
 
@@ -21,8 +22,13 @@ struct AdamWArrays {
   ElementType out_type = ElementType::kBFloat16;
 };
 
-// Updates elements [begin, end). Vectorized; an AVX2+FMA clone is picked at
-// run time where the CPU has it.
+// Updates elements [begin, end). Vectorized; the AVX2 build runs where the
+// CPU has it, unless HIPFERRY_CPU_ISA says otherwise (cpu::active_isa()).
 void adamw_cpu(const AdamWArrays& a, const AdamWScalars& s, std::int64_t begin, std::int64_t end);
+
+// The same with the build chosen by the caller (`isa` must be one this CPU
+// runs: <= cpu::best_isa()). Both builds give the same bits; tests prove it.
+void adamw_cpu_isa(cpu::Isa isa, const AdamWArrays& a, const AdamWScalars& s, std::int64_t begin,
+                   std::int64_t end);
 
 }  // namespace hipferry::optim
