@@ -7,11 +7,16 @@
 #                              ctest (core, runtime, exhaustive conversions) + pytest,
 #                              AMD (ROCm Clang) and NVIDIA (nvcc) builds of the GPU code
 #                              with their C++ tests (they report "no device" here),
+#                              the optimizer and conversion tests again under each CPU
+#                              capability of torch (ATEN_CPU_CAPABILITY=default, avx2,
+#                              avx512 where the CPU has it) and with hipferry's CPU loops
+#                              forced to their baseline build (HIPFERRY_CPU_ISA=baseline),
 #                              the CPU-only build (laptop without a GPU toolchain)
 #                              with the Python tests against it,
 #                              the ASan+UBSan build of core and runtime, and the
 #                              multi-threaded core tests under ThreadSanitizer
-#   scripts/dev.sh deps | build | check-gpu-builds | check-cpu-build | sanitize | tsan   the single steps
+#   scripts/dev.sh deps | build | cpu-variants | check-gpu-builds | check-cpu-build | sanitize | tsan
+#                            the single steps
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -44,6 +49,30 @@ build() {
   HIPFERRY_BUILD_DIR="$BUILD_DIR" HIPFERRY_BUILD_TESTS=ON MAX_JOBS=$JOBS \
     quiet_pip $PY -m pip install --no-build-isolation --no-deps -q .
   $PY -c "import hipferry; print('installed hipferry', hipferry.__version__, hipferry.build_info())"
+}
+
+# Machines of this kind differ (AVX-512 on some, AVX2 only on others) and torch
+# picks other CPU kernels on each, so the tests whose oracle is torch's CPU
+# arithmetic run again under each capability torch can take here, and with
+# hipferry's own loops forced to their baseline build.
+CPU_VARIANT_TESTS=(tests/python/test_adamw_step.py tests/python/test_copy_cast.py
+                   tests/python/test_offload_adamw.py tests/python/test_offload_adamw_state.py
+                   tests/python/test_offload_adamw_errors.py tests/python/test_offload_adamw_grad_copies.py
+                   tests/python/test_offload_adamw_torch_parity.py tests/python/test_offload_adamw_fuzz.py)
+cpu_variants() {
+  local caps=(default avx2)
+  grep -qw avx512f /proc/cpuinfo && caps+=(avx512)
+  local files=()
+  for f in "${CPU_VARIANT_TESTS[@]}"; do [[ -e $f ]] && files+=("$f"); done
+  for cap in "${caps[@]}"; do
+    step "optimizer and conversion tests under ATEN_CPU_CAPABILITY=$cap"
+    ATEN_CPU_CAPABILITY=$cap $PY -c "import torch; c = torch.backends.cpu.get_cpu_capability(); \
+assert c.lower() == '$cap', f'asked for $cap, torch uses {c}'; print('torch CPU capability:', c)"
+    ATEN_CPU_CAPABILITY=$cap $PY -m pytest -q -p no:cacheprovider "${files[@]}"
+  done
+  step "optimizer and conversion tests with hipferry's CPU loops forced to the baseline build"
+  HIPFERRY_CPU_ISA=baseline $PY -c "import hipferry; assert hipferry.build_info()['cpu_isa'] == 'baseline'"
+  HIPFERRY_CPU_ISA=baseline $PY -m pytest -q -p no:cacheprovider "${files[@]}"
 }
 
 # GPU code for both vendors, without torch: compile, link, run the C++ tests.
@@ -97,13 +126,14 @@ run_tests() {
 case "${1:-}" in
   deps) deps ;;
   build) build ;;
+  cpu-variants) cpu_variants ;;
   check-gpu-builds) check_gpu_builds ;;
   check-cpu-build) check_cpu_build ;;
   sanitize) sanitize ;;
   tsan) tsan ;;
   test)
     start=$(date +%s)
-    deps; build; run_tests; check_gpu_builds; check_cpu_build; sanitize; tsan
+    deps; build; run_tests; cpu_variants; check_gpu_builds; check_cpu_build; sanitize; tsan
     step "all tests passed in $(( $(date +%s) - start )) s"
     ;;
   example)

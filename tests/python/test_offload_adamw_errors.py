@@ -141,9 +141,9 @@ def all_params(m):
 
 CONSTRUCTOR_CASES = {
     "empty_params": (lambda m: [], {}, ValueError, [r"(?i)empty.*param|param.*empty"]),
-    "complex64_param": bad_dtype_case(torch.complex64, r"complex64|ComplexFloat"),
+    "int64_param": bad_dtype_case(torch.int64, r"int64|Long"),
     "int32_param": bad_dtype_case(torch.int32, r"int32|\bInt\b"),
-    "float64_param": bad_dtype_case(torch.float64, r"float64|Double"),
+    "bool_param": bad_dtype_case(torch.bool, r"bool"),
     "meta_device_param": (lambda m: all_params(m) + [torch.nn.Parameter(torch.empty(4, device="meta"))], {},
                           ValueError, [r"meta", r"(?i)cpu|gpu|device", r"\b6\b"]),
     "negative_lr": (all_params, {"lr": -1e-3}, ValueError, [r"\blr\b", r"-0\.001"]),
@@ -395,7 +395,7 @@ def test_load_state_dict_that_does_not_match_changes_nothing(case, device, pool)
 # --- add_param_group ------------------------------------------------------------------
 
 ADD_GROUP_CASES = {
-    "complex_param": (lambda m, new: [new, torch.zeros(4, dtype=torch.complex64)], [r"complex64|ComplexFloat"]),
+    "int8_param": (lambda m, new: [new, torch.zeros(4, dtype=torch.int8)], [r"int8|Char"]),
     "param_already_in_another_group": (lambda m, new: [new, m[2].weight],
                                        [r"(?i)more than one|already|another|twice|duplicate"]),
 }

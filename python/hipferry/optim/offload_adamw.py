@@ -13,6 +13,7 @@ pool, and one of two engines runs the same fused element-wise update
   per chunk (hipferry._C.AdamWStreamer).
 Small GPU parameters keep their state on the device and step there.
 """
+import copy
 import logging
 import weakref
 from dataclasses import dataclass
@@ -24,8 +25,10 @@ from .. import _C
 from ..pool import PinnedPool, default_pool
 from ..transfer import Transfer, offload
 from . import calibration
-from .state import (LOW_PRECISION, SUPPORTED, check_hyper, check_param, format_bytes, local, state_keys,
-                    to_global_state, torch_group_defaults)
+from .checks import (LOW_PRECISION, TORCH_FLAG_DEFAULTS, check_flag, check_grad, check_group_options,
+                     check_loadable, check_param, param_dtype, scalar_value, split_params)
+from .layout import aligned, memory_flat, real, shaped, state_strides, torch_ops_step
+from .state import format_bytes, local, state_keys, to_global_state, torch_group_defaults
 
 log = logging.getLogger("hipferry.optim")
 
@@ -34,9 +37,11 @@ log = logging.getLogger("hipferry.optim")
 class _Slot:
     """Per-parameter bookkeeping that is not part of torch's state format."""
     where: str                                 # "host" (state in the pool) or "device" (small GPU parameter)
+    shape: tuple = ()                          # the parameter's shape and dtype when its state was made:
+    dtype: Optional[torch.dtype] = None        # a parameter changed to others no longer fits its state
     host_param: Optional[torch.Tensor] = None  # CPU engine, float32 GPU parameter: the host working copy
     host_out: Optional[torch.Tensor] = None    # CPU engine, low-precision GPU parameter: the rounded values to send
-    param_version: int = -1                    # local(p)._version after our last write (-1: read p again)
+    seen: Optional[tuple] = None               # param_key(p) after our last read or write (None: read p again)
     grad_copy: Optional[Transfer] = None       # gradient copy started by the backward hook
     copied_grad: Optional[torch.Tensor] = None  # the gradient tensor that copy read ...
     copied_version: int = -1                   # ... and its version then (a change means: copy again)
@@ -46,15 +51,38 @@ class _Slot:
         return self.grad_copy is not None and self.copied_grad is grad and self.copied_version == grad._version
 
 
+def param_key(lp: torch.Tensor) -> tuple:
+    """What shows a write to a parameter outside step(): its version counter
+    (in-place ops, ``p.copy_`` under no_grad, ``model.load_state_dict``), its
+    storage and layout (``p.data = t``, ``vector_to_parameters``). A write
+    through ``p.data.copy_`` changes none of them: ``reload_params()``."""
+    return lp._version, lp.data_ptr(), tuple(lp.stride())
+
+
+def step_dtype() -> torch.dtype:
+    """torch keeps ``step`` in float32 (float64 under a float64 default dtype),
+    never in a low-precision default dtype, where it would stop counting."""
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
 class OffloadAdamW(torch.optim.Optimizer):
-    """torch.optim.AdamW with its state in pinned host memory (see module doc)."""
+    """torch.optim.AdamW with its state in pinned host memory (see module doc).
+
+    ``foreach``, ``fused`` and ``capturable`` are accepted for drop-in use and
+    ignored (the step is always one fused pass per parameter);
+    ``differentiable=True`` is rejected."""
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, amsgrad: bool = False, maximize: bool = False, *,
-                 step_on: str = "auto", pool: Optional[PinnedPool] = None, min_offload_numel: int = 65536,
-                 chunk_numel: int = 1 << 21, ring_slots: int = 3, skip_nonfinite: bool = False,
-                 _cpu_params_as_remote: bool = False):
-        check_hyper(lr, betas, eps, weight_decay)
+                 foreach: Optional[bool] = None, capturable: bool = False, differentiable: bool = False,
+                 fused: Optional[bool] = None, step_on: str = "auto", pool: Optional[PinnedPool] = None,
+                 min_offload_numel: int = 65536, chunk_numel: int = 1 << 21, ring_slots: int = 3,
+                 skip_nonfinite: bool = False, _cpu_params_as_remote: bool = False):
+        defaults = dict(torch_group_defaults(), lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas,
+                        eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize, foreach=foreach,
+                        capturable=capturable, differentiable=differentiable, fused=fused)
+        check_group_options(defaults, "the default group")
+        check_flag(skip_nonfinite, "skip_nonfinite")
         if step_on not in ("auto", "cpu", "gpu"):
             raise ValueError(f"OffloadAdamW: step_on must be 'auto', 'cpu' or 'gpu', got {step_on!r}")
         if pool is not None and not isinstance(pool, PinnedPool):
@@ -63,12 +91,15 @@ class OffloadAdamW(torch.optim.Optimizer):
                                  ("ring_slots", ring_slots, 2)):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"OffloadAdamW: {name} must be an int >= {low}, got {value!r}")
+        if isinstance(params, (set, frozenset)):
+            raise TypeError("OffloadAdamW: params is a set; parameters must come in an ordered collection (a "
+                            "list), since the order of a set changes between runs")
         # Set before super().__init__, which calls add_param_group.
         self._pool = pool or default_pool()
         self._min_offload_numel = min_offload_numel
         self._chunk_numel = chunk_numel
         self._ring_slots = ring_slots
-        self._skip_nonfinite = bool(skip_nonfinite)
+        self._skip_nonfinite = skip_nonfinite
         # Test seam: run the CPU engine's path for GPU parameters (gradient copies
         # started by backward hooks, host working copies, copies back) on CPU
         # parameters, so machines without a GPU test it too.
@@ -86,24 +117,28 @@ class OffloadAdamW(torch.optim.Optimizer):
         # and copies it had to make itself (none, or a changed gradient).
         self.grad_copies_reused = 0
         self.grad_copies_made_at_step = 0
-        defaults = dict(torch_group_defaults(), lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        amsgrad=amsgrad, maximize=maximize)
         super().__init__(params, defaults)
         self._choose_engine()
 
     # ---------------------------------------------------------------- setup
     def add_param_group(self, param_group: dict) -> None:
-        group = dict(param_group)
-        params = group["params"]
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
         g_index = len(self.param_groups)
+        where = f"param_groups[{g_index}]"
+        if not isinstance(param_group, dict):
+            raise TypeError(f"OffloadAdamW: {where} must be a dict, got {type(param_group).__name__}")
+        if "params" not in param_group:
+            raise ValueError(f"OffloadAdamW: {where} has no 'params' (a dict with the key 'params' and optional "
+                             "hyperparameters was expected)")
+        params, names = split_params(param_group["params"], f"{where}['params']")
         for i, p in enumerate(params):
-            check_param(p, g_index, i)
-        group["params"] = params
+            check_param(p, f"params[group {g_index}][{i}]")
+        group = dict(param_group, params=params)
+        if names is not None:
+            group["param_names"] = names
+        check_group_options({**self.defaults, **group}, where)
         super().add_param_group(group)
         added = self.param_groups[-1]
         try:
-            check_hyper(added["lr"], added["betas"], added["eps"], added["weight_decay"])
             self._allocate(added["params"], added)
         except BaseException:
             for p in added["params"]:
@@ -123,16 +158,22 @@ class OffloadAdamW(torch.optim.Optimizer):
         plan = []
         for p in params:
             lp = local(p)
-            where = "device" if lp.device.type == "cuda" and lp.numel() < self._min_offload_numel else "host"
+            on_gpu = lp.device.type == "cuda"
+            # On the device: small GPU parameters, float64 ones (torch ops, no fused
+            # kernel) and non-dense ones (no flat view to stream).
+            where = "device" if on_gpu and (lp.numel() < self._min_offload_numel or
+                                            param_dtype(lp) == torch.float64 or
+                                            memory_flat(real(lp)) is None) else "host"
             plan.append((p, lp, where, state_keys(lp, group["amsgrad"])))
-        need = sum(lp.numel() * 4 * len(keys) for _, lp, where, keys in plan if where == "host")
+        need = sum(real(lp).numel() * (8 if param_dtype(lp) == torch.float64 else 4) * len(keys)
+                   for _, lp, where, keys in plan if where == "host")
         states: List[dict] = []
         st: dict = {}
         try:
             for p, lp, where, keys in plan:
-                st = {"step": torch.tensor(0.0)}
+                st = {"step": torch.zeros((), dtype=step_dtype())}
                 for k in keys:
-                    st[k] = self._new_state(lp, where)
+                    st[k] = self._new_state(lp, where, master=k == "master_param")
                 if "master_param" in st:
                     st["master_param"].copy_(lp)
                 states.append(st)
@@ -150,12 +191,23 @@ class OffloadAdamW(torch.optim.Optimizer):
                 f"(pool=hipferry.PinnedPool(capacity=...)). ({e})") from None
         for (p, lp, where, _), st in zip(plan, states):
             self.state[p] = st
-            self._slots[p] = _Slot(where=where, param_version=lp._version)
+            self._slots[p] = _Slot(where=where, shape=tuple(lp.shape), dtype=lp.dtype, seen=param_key(lp))
 
-    def _new_state(self, lp: torch.Tensor, where: str) -> torch.Tensor:
+    def _new_state(self, lp: torch.Tensor, where: str, master: bool = False) -> torch.Tensor:
+        """A zeroed state tensor of `lp`: float32 (float64 for float64 / complex128
+        parameters), complex like a complex parameter, with the parameter's strides
+        when it is dense (layout.py)."""
+        rp = real(lp)
+        dtype = torch.float32 if master or param_dtype(lp) != torch.float64 else torch.float64
         if where == "device":
-            return torch.zeros(lp.shape, dtype=torch.float32, device=lp.device)
-        return self._pool.empty(*lp.shape, dtype=torch.float32).zero_()
+            t = torch.zeros_like(rp, dtype=dtype, memory_format=torch.preserve_format)
+        else:
+            t = shaped(self._pool.empty(rp.numel(), dtype=dtype), rp.shape, state_strides(rp)).zero_()
+        return torch.view_as_complex(t) if lp.is_complex() else t
+
+    def _host_tensor_like(self, state: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A pool tensor with the shape and strides of the (real) state tensor `state`."""
+        return shaped(self._pool.empty(state.numel(), dtype=dtype), state.shape, state.stride())
 
     def _choose_engine(self) -> None:
         before = self.step_on if self.step_on_reason else None
@@ -220,12 +272,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        work = []
-        for gi, group in enumerate(self.param_groups):
-            for pi, p in enumerate(group["params"]):
-                if p.grad is not None:
-                    self._check_grad(p, gi, pi)
-                    work.append((group, p))
+        work, added = self._validate_step()  # everything is checked before anything changes
+        for p, t in added:
+            self.state[p]["max_exp_avg_sq"] = t
         self.last_step_skipped = False
         scaler_driven = hasattr(self, "found_inf")  # torch.amp.GradScaler.step (see _step_supports_amp_scaling)
         if (scaler_driven and float(self.found_inf) > 0) or \
@@ -244,12 +293,12 @@ class OffloadAdamW(torch.optim.Optimizer):
         host_gpu = []
         for group, p in work:
             st, slot = self.state[p], self._slots[p]
-            self._refresh_master(p, st, slot)
+            self._reread_if_written(p, st, slot)
             st["step"] += 1
             step = int(st["step"].item())
-            if slot.where == "device" or not self._is_remote(p):
+            if slot.where == "device" or not self._is_remote(p) or param_dtype(local(p)) == torch.float64:
                 self._step_in_place(group, p, st, step)
-            elif self.step_on == "gpu":
+            elif self.step_on == "gpu" and self._streamable(p, st):
                 streamed.setdefault((id(group), p.device.index, step), []).append((group, p))
             else:
                 host_gpu.append((group, p, step))
@@ -266,6 +315,37 @@ class OffloadAdamW(torch.optim.Optimizer):
             event.record(torch.cuda.current_stream(device))
             self._copies_back.append(event)
         return loss
+
+    def _validate_step(self) -> tuple:
+        """Checks every group's hyperparameters and flags, every parameter and
+        gradient, and allocates what a group switched to amsgrad needs; changes
+        nothing. Returns the (group, param) pairs to step and the new
+        max_exp_avg_sq tensors to keep."""
+        work, added = [], []
+        for gi, group in enumerate(self.param_groups):
+            check_group_options(group, f"param_groups[{gi}]")
+            if not isinstance(group.get("params"), list):
+                raise ValueError(f"OffloadAdamW: param_groups[{gi}]['params'] must be a list, got "
+                                 f"{type(group.get('params')).__name__}")
+            for pi, p in enumerate(group["params"]):
+                where = f"params[group {gi}][{pi}]"
+                slot = self._slots.get(p) if isinstance(p, torch.Tensor) else None
+                if slot is None:
+                    raise ValueError(f"OffloadAdamW: {where} was put into param_groups without add_param_group; "
+                                     "add parameters with opt.add_param_group({'params': [...]})")
+                check_param(p, where)
+                lp = local(p)
+                if tuple(lp.shape) != slot.shape or lp.dtype != slot.dtype:
+                    raise ValueError(f"OffloadAdamW: {where} is now {lp.dtype} {tuple(lp.shape)}, but its state was "
+                                     f"made for {slot.dtype} {slot.shape}; the state no longer fits (build a new "
+                                     "optimizer, or load a state dict for the new shape)")
+                if p.grad is None:
+                    continue
+                check_grad(p, where)
+                work.append((group, p))
+                if group["amsgrad"] and "max_exp_avg_sq" not in self.state[p]:
+                    added.append((p, self._new_state(lp, slot.where)))
+        return work, added
 
     # torch.amp.GradScaler: hand this optimizer `grad_scale` and `found_inf`
     # instead of unscaling the gradients itself, which it does in place without a
@@ -288,16 +368,6 @@ class OffloadAdamW(torch.optim.Optimizer):
             found = torch.zeros((), dtype=torch.float32, device=device)
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv.to(device))
 
-    def _check_grad(self, p: torch.Tensor, gi: int, pi: int) -> None:
-        g = p.grad
-        where = f"params[group {gi}][{pi}]"
-        if g.is_sparse or g.layout != torch.strided:
-            raise ValueError(f"OffloadAdamW does not support sparse gradients; {where} has a {g.layout} gradient")
-        if g.shape != p.shape or g.device != p.device or local(g).dtype not in SUPPORTED:
-            raise ValueError(f"OffloadAdamW: the gradient of {where} is {g.dtype} {tuple(g.shape)} on {g.device}; "
-                             f"expected a float32, float16 or bfloat16 gradient shaped {tuple(p.shape)} on "
-                             f"{p.device}")
-
     def _grads_finite(self, params: List[torch.Tensor]) -> bool:
         flags = [torch.isfinite(local(p.grad)).all() for p in params]
         by_device: Dict[torch.device, list] = {}
@@ -305,51 +375,104 @@ class OffloadAdamW(torch.optim.Optimizer):
             by_device.setdefault(f.device, []).append(f)
         return all(bool(torch.stack(fs).all()) for fs in by_device.values())
 
-    def _refresh_master(self, p: torch.Tensor, st: dict, slot: _Slot) -> None:
-        """Reads the parameter again if it was changed outside step()."""
+    # ------------------------------------------------- writes outside step()
+    def reload_params(self, params: Optional[Iterable[torch.Tensor]] = None) -> None:
+        """Says "I wrote these parameters" (default: all of them): the float32
+        masters of bf16/fp16 parameters and the CPU engine's host copies of GPU
+        parameters are read again from the parameters now. Needed only after a
+        write that changes neither the parameter's version nor its storage, such
+        as ``p.data.copy_(x)``; in-place ops, ``p.copy_`` under no_grad,
+        ``p.data = t``, ``model.load_state_dict`` and ``vector_to_parameters``
+        are seen without it."""
+        chosen = [p for g in self.param_groups for p in g["params"]] if params is None else list(params)
+        for i, p in enumerate(chosen):
+            if not isinstance(p, torch.Tensor) or p not in self._slots:
+                raise ValueError(f"OffloadAdamW.reload_params: params[{i}] is not a parameter of this optimizer")
+        for p in chosen:
+            slot = self._slots[p]
+            slot.seen = None
+            self._reread_if_written(p, self.state[p], slot)
+
+    def _reread_if_written(self, p: torch.Tensor, st: dict, slot: _Slot) -> None:
+        """Reads the parameter again if it was written outside step()."""
         lp = local(p)
-        if lp._version == slot.param_version:
+        key = param_key(lp)
+        if key == slot.seen:
             return
         self._sync_streamers()  # a streamed step may still be writing the master back
+        self._wait_copies_back()
         if "master_param" in st:
             st["master_param"].copy_(lp)
         if slot.host_param is not None:
-            slot.host_param.copy_(lp)
-        slot.param_version = lp._version
+            real(slot.host_param).copy_(real(lp))
+        slot.seen = key
 
+    # -------------------------------------------------------------- engines
     def _hyper(self, group: dict) -> dict:
         beta1, beta2 = group["betas"]
-        return dict(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
-                    weight_decay=float(group["weight_decay"]), amsgrad=bool(group["amsgrad"]),
-                    maximize=bool(group["maximize"]))
+        return dict(lr=scalar_value(group["lr"], "lr"), beta1=scalar_value(beta1, "beta1"),
+                    beta2=scalar_value(beta2, "beta2"), eps=scalar_value(group["eps"], "eps"),
+                    weight_decay=scalar_value(group["weight_decay"], "weight_decay"), amsgrad=group["amsgrad"],
+                    maximize=group["maximize"])
+
+    @staticmethod
+    def _fused_step(group_hyper: dict, target: torch.Tensor, grad: torch.Tensor, st: dict, amsgrad: bool,
+                    out: Optional[torch.Tensor], step: int) -> None:
+        """One _C._adamw_step_ over the flat memory-order views of a float32
+        `target` (parameter, master or host copy), its gradient (aligned to the
+        state's strides here) and its state; `out` gets the rounded values."""
+        m, v = real(st["exp_avg"]), real(st["exp_avg_sq"])
+        mx = real(st.get("max_exp_avg_sq")) if amsgrad else None
+        flat = memory_flat
+        _C._adamw_step_(flat(target), flat(aligned(grad, m)), flat(m), flat(v), flat(mx) if mx is not None else None,
+                        flat(out) if out is not None else None, step, **group_hyper)
 
     def _step_in_place(self, group: dict, p: torch.Tensor, st: dict, step: int) -> None:
-        """State and gradient on the parameter's own device: one fused call."""
+        """State and gradient on the parameter's own device."""
         lp = local(p)
-        grad = local(p.grad).contiguous()
-        master = st.get("master_param")
-        _C._adamw_step_(master if master is not None else lp, grad, st["exp_avg"], st["exp_avg_sq"],
-                        st.get("max_exp_avg_sq") if group["amsgrad"] else None,
-                        lp if master is not None else None, step, **self._hyper(group))
+        rp, grad = real(lp), real(local(p.grad))
+        hyper = self._hyper(group)
+        m = real(st["exp_avg"])
+        if param_dtype(lp) == torch.float64:
+            torch_ops_step(rp, grad, m, real(st["exp_avg_sq"]),
+                           real(st.get("max_exp_avg_sq")) if group["amsgrad"] else None, step, **hyper)
+        else:
+            # The parameter is walked in the state's memory order; a parameter that is
+            # not dense, or whose strides changed since, goes through a working copy.
+            direct = memory_flat(rp) is not None and rp.stride() == m.stride()
+            master = st.get("master_param")
+            if master is not None:
+                out = rp if direct else torch.empty_like(m, dtype=rp.dtype)
+                self._fused_step(hyper, master, grad, st, group["amsgrad"], out, step)
+            else:
+                out = rp if direct else torch.empty_like(m).copy_(rp)
+                self._fused_step(hyper, out, grad, st, group["amsgrad"], None, step)
+            if out is not rp:
+                rp.copy_(out)
         torch.autograd.graph.increment_version(lp)  # written through a raw pointer: say so (offload_layers reads it)
-        self._slots[p].param_version = lp._version
+        self._slots[p].seen = param_key(lp)
 
     def _step_host_for_gpu(self, group: dict, p: torch.Tensor, step: int) -> None:
         """CPU engine, GPU parameter: host step, then an async copy back."""
         st, slot = self.state[p], self._slots[p]
         lp = local(p)
-        grad = self._host_grad(p, slot)
+        grad = real(self._host_grad(p, slot))
         master = st.get("master_param")
+        m = real(st["exp_avg"])
         if master is None and slot.host_param is None:
-            slot.host_param = self._pool.empty(*lp.shape, dtype=torch.float32)
-            slot.host_param.copy_(lp)
+            slot.host_param = self._host_tensor_like(m, torch.float32)
+            slot.host_param.copy_(real(lp))
         if master is not None and slot.host_out is None:
-            slot.host_out = self._pool.empty(*lp.shape, dtype=lp.dtype)
-        _C._adamw_step_(master if master is not None else slot.host_param, grad, st["exp_avg"], st["exp_avg_sq"],
-                        st.get("max_exp_avg_sq") if group["amsgrad"] else None,
-                        slot.host_out if master is not None else None, step, **self._hyper(group))
-        lp.copy_(slot.host_out if master is not None else slot.host_param, non_blocking=True)
-        slot.param_version = lp._version
+            slot.host_out = self._host_tensor_like(m, lp.dtype)
+        self._fused_step(self._hyper(group), master if master is not None else slot.host_param, grad, st,
+                         group["amsgrad"], slot.host_out if master is not None else None, step)
+        real(lp).copy_(slot.host_out if master is not None else slot.host_param, non_blocking=True)
+        slot.seen = param_key(lp)
+
+    def _streamable(self, p: torch.Tensor, st: dict) -> bool:
+        """The streamer walks the parameter and its state as flat views: same strides, dense."""
+        rp = real(local(p))
+        return memory_flat(rp) is not None and rp.stride() == real(st["exp_avg"]).stride()
 
     def _step_streamed(self, device: int, step: int, items: list) -> None:
         streamer = self._streamers.get(device)
@@ -360,17 +483,20 @@ class OffloadAdamW(torch.optim.Optimizer):
         lists: Dict[str, list] = {k: [] for k in ("params", "grads", "masters", "exp_avgs", "exp_avg_sqs",
                                                   "max_exp_avg_sqs")}
         for _, p in items:
-            st, lp = self.state[p], local(p)
-            lists["params"].append(lp)
-            lists["grads"].append(local(p.grad).contiguous())
-            lists["masters"].append(st.get("master_param"))
-            lists["exp_avgs"].append(st["exp_avg"])
-            lists["exp_avg_sqs"].append(st["exp_avg_sq"])
-            lists["max_exp_avg_sqs"].append(st.get("max_exp_avg_sq") if group["amsgrad"] else None)
+            st, rp = self.state[p], real(local(p))
+            m = real(st["exp_avg"])
+            lists["params"].append(memory_flat(rp))
+            lists["grads"].append(memory_flat(aligned(real(local(p.grad)), m)))
+            master = st.get("master_param")
+            lists["masters"].append(memory_flat(master) if master is not None else None)
+            lists["exp_avgs"].append(memory_flat(m))
+            lists["exp_avg_sqs"].append(memory_flat(real(st["exp_avg_sq"])))
+            mx = st.get("max_exp_avg_sq") if group["amsgrad"] else None
+            lists["max_exp_avg_sqs"].append(memory_flat(real(mx)) if mx is not None else None)
         streamer.step(**lists, step=step, **self._hyper(group))
         for _, p in items:
             torch.autograd.graph.increment_version(local(p))  # written by our kernel, unseen by autograd
-            self._slots[p].param_version = local(p)._version
+            self._slots[p].seen = param_key(local(p))
 
     # ------------------------------------------------------------ utilities
     def __del__(self) -> None:
@@ -455,35 +581,103 @@ class OffloadAdamW(torch.optim.Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        from .state import check_loadable
+        """torch.optim.Optimizer.load_state_dict's protocol: pre-hooks may edit or
+        replace the state dict, groups lacking newer keys get torch's defaults
+        (__setstate__), post-hooks run after the state is restored. Everything
+        is validated before anything changes; the state is copied into the pool
+        tensors this optimizer already holds."""
+        if not isinstance(state_dict, dict):
+            raise ValueError(f"OffloadAdamW.load_state_dict: expected a dict, got {type(state_dict).__name__}")
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         self.synchronize()
         by_param = check_loadable(self, state_dict)  # validates everything first
-        groups = [{k: v for k, v in g.items()} for g in state_dict["param_groups"]]
-        kept = {p: self.state[p] for p in self._slots}
-        super().load_state_dict({"state": {}, "param_groups": groups})
+        groups = []
+        for g, saved in zip(self.param_groups, copy.deepcopy(state_dict["param_groups"])):
+            saved["params"] = g["params"]
+            if "param_names" in g and "param_names" not in saved:
+                saved["param_names"] = g["param_names"]
+            groups.append(saved)
+        added = {p: self._new_state(local(p), self._slots[p].where) for g in groups if g["amsgrad"]
+                 for p in g["params"] if "max_exp_avg_sq" not in self.state[p]}
+        super().__setstate__({"state": self.state, "param_groups": groups})
+        self._fill_group_defaults()
         for group in self.param_groups:
             for p in group["params"]:
-                st = kept[p]
-                if group["amsgrad"] and "max_exp_avg_sq" not in st:
-                    st["max_exp_avg_sq"] = self._new_state(local(p), self._slots[p].where)
+                st = self.state[p]
+                if p in added:
+                    st["max_exp_avg_sq"] = added[p]
                 elif not group["amsgrad"]:
                     st.pop("max_exp_avg_sq", None)  # torch's keys exactly; the memory goes back to the pool
-                saved = by_param.get(p)
-                for k, t in st.items():
-                    if k == "step":
-                        t.fill_(float(saved["step"]) if saved is not None else 0.0)
-                    elif k == "master_param":
-                        t.copy_(_as_local(saved[k]) if saved is not None and k in saved else local(p))
-                    elif saved is not None and k in saved:
-                        t.copy_(_as_local(saved[k]))
-                    else:
-                        t.zero_()
-                self.state[p] = st
-                slot = self._slots[p]
-                slot.param_version = local(p)._version
-                if slot.host_param is not None:
-                    slot.host_param.copy_(local(p))
+                self._restore_state(p, st, by_param.get(p))
         self._drop_grad_copies()
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _restore_state(self, p: torch.Tensor, st: dict, saved: Optional[dict]) -> None:
+        """Copies a saved state (or zeros, without one) into the state tensors of `p`."""
+        for k, t in st.items():
+            if k == "step":
+                t.fill_(float(saved["step"]) if saved is not None else 0.0)
+            elif k == "master_param":
+                t.copy_(_as_local(saved[k]) if saved is not None and k in saved else local(p))
+            elif saved is not None and k in saved:
+                t.copy_(_as_local(saved[k]))
+            else:
+                t.zero_()
+        slot = self._slots[p]
+        slot.seen = param_key(local(p))
+        if slot.host_param is not None:
+            real(slot.host_param).copy_(real(local(p)))
+
+    def _fill_group_defaults(self) -> None:
+        """What torch.optim.AdamW's __setstate__ fills into groups of older state dicts."""
+        for group in self.param_groups:
+            for k, v in TORCH_FLAG_DEFAULTS.items():
+                group.setdefault(k, v)
+
+    # ----------------------------------------------------- copy and pickle
+    def __getstate__(self) -> Dict[str, Any]:
+        """torch's three entries (defaults, state, param_groups: the state as
+        plain tensors once pickled) and this optimizer's own settings. The pool
+        is not pickled: an unpickled optimizer uses the default pool (a
+        deepcopy shares the original's pool)."""
+        self.synchronize()
+        return {"defaults": self.defaults, "state": self.state, "param_groups": self.param_groups,
+                "hipferry": dict(step_on=self._requested_step_on, min_offload_numel=self._min_offload_numel,
+                                 chunk_numel=self._chunk_numel, ring_slots=self._ring_slots,
+                                 skip_nonfinite=self._skip_nonfinite,
+                                 _cpu_params_as_remote=self._cpu_params_as_remote),
+                "counters": dict(skipped_steps=self.skipped_steps, last_step_skipped=self.last_step_skipped)}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        if "_slots" in self.__dict__:  # torch.optim.Optimizer's protocol inside load_state_dict
+            super().__setstate__(state)
+            self._fill_group_defaults()
+            return
+        self._rebuild(state, pool=None)
+
+    def __deepcopy__(self, memo: dict) -> "OffloadAdamW":
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new._rebuild(copy.deepcopy(self.__getstate__(), memo), pool=self._pool)
+        return new
+
+    def _rebuild(self, state: Dict[str, Any], pool: Optional[PinnedPool]) -> None:
+        """Unpickling / deepcopy: a new optimizer over the copied parameters (its
+        state in `pool`), then the copied state restored into it."""
+        d = state["defaults"]
+        own = {k: d[k] for k in ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach",
+                                 "capturable", "differentiable", "fused") if k in d}
+        groups = [dict(g) for g in state["param_groups"]]
+        OffloadAdamW.__init__(self, groups, **own, **state.get("hipferry", {}), pool=pool)
+        for p in (p for g in self.param_groups for p in g["params"]):
+            self._restore_state(p, self.state[p], state["state"].get(p))
+        for k, v in state.get("counters", {}).items():
+            setattr(self, k, v)
 
 
 class _Done:

@@ -1,0 +1,182 @@
+"""OffloadAdamW's input checks, all run before anything is changed (the
+constructor, add_param_group, step() and load_state_dict validate first, then
+act). Every message names the argument (``params[group 1][2]``,
+``param_groups[0]['lr']``) and what was expected."""
+import math
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+import torch
+
+from .state import local
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+# Real dtypes the fused kernels step (float64 steps with torch ops: optim/torch_step.py).
+FUSED = (torch.float32,) + LOW_PRECISION
+REAL = FUSED + (torch.float64,)
+# Complex parameters step as their real view (torch does the same).
+COMPLEX = {torch.complex64: torch.float32, torch.complex128: torch.float64}
+# torch.optim.AdamW's defaults of the flags it adds to every group, as its
+# __setstate__ fills them into state dicts that lack them.
+TORCH_FLAG_DEFAULTS = dict(amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False,
+                           fused=None, decoupled_weight_decay=True)
+
+
+def is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def scalar_value(x: Any, what: str, *, low: float = 0.0, high: Optional[float] = None) -> float:
+    """A hyperparameter as a float: a number or a 1-element real Tensor, finite, in [low, high)."""
+    if isinstance(x, torch.Tensor):
+        if x.numel() != 1 or x.is_complex() or x.dtype == torch.bool or x.device.type == "meta":
+            raise ValueError(f"OffloadAdamW: {what} must be a number or a 1-element real Tensor, got a Tensor of "
+                             f"shape {tuple(x.shape)} and dtype {x.dtype} on {x.device}")
+        value = float(x.detach().reshape(()).item())
+    elif is_number(x):
+        value = float(x)
+    else:
+        raise ValueError(f"OffloadAdamW: {what} must be a number or a 1-element Tensor, got {x!r}")
+    if not math.isfinite(value) or value < low or (high is not None and value >= high):
+        bound = f"in [{low:g}, {high:g})" if high is not None else f">= {low:g}"
+        raise ValueError(f"OffloadAdamW: {what} must be a finite number {bound}, got {x!r}")
+    return value
+
+
+def check_hyper(lr: Any, betas: Any, eps: Any, weight_decay: Any, where: str = "") -> None:
+    """`where` prefixes the names, e.g. "param_groups[1]" -> "param_groups[1]['lr']"."""
+    def name(key: str) -> str:
+        return f"{where}[{key!r}]" if where else key
+    scalar_value(lr, name("lr"))
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"OffloadAdamW: {name('betas')} must be two numbers in [0, 1), got {betas!r}")
+    for i, b in enumerate(betas):
+        scalar_value(b, f"{name('betas')}[{i}]", high=1.0)
+    scalar_value(eps, name("eps"))
+    scalar_value(weight_decay, name("weight_decay"))
+
+
+def check_flag(value: Any, what: str, *, allow_none: bool = False) -> None:
+    if isinstance(value, bool) or (allow_none and value is None):
+        return
+    expected = "True, False or None" if allow_none else "True or False"
+    raise ValueError(f"OffloadAdamW: {what} must be {expected}, got {value!r}")
+
+
+def check_group_options(group: Dict[str, Any], where: str) -> None:
+    """Hyperparameters and flags of one parameter group (at add_param_group and every step())."""
+    for key in ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize"):
+        if key not in group:
+            raise ValueError(f"OffloadAdamW: {where} has no {key!r}; expected the keys torch.optim.AdamW uses")
+    check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"], where)
+    check_flag(group["amsgrad"], f"{where}['amsgrad']")
+    check_flag(group["maximize"], f"{where}['maximize']")
+    for key in ("foreach", "fused"):
+        check_flag(group.get(key), f"{where}[{key!r}]", allow_none=True)
+    check_flag(group.get("capturable", False), f"{where}['capturable']")
+    check_flag(group.get("differentiable", False), f"{where}['differentiable']")
+    if group.get("differentiable", False):
+        raise ValueError(f"OffloadAdamW: {where}['differentiable'] is True; OffloadAdamW steps outside autograd "
+                         "and does not support differentiable=True (use torch.optim.AdamW for that)")
+    if group.get("decoupled_weight_decay", True) is not True:
+        raise ValueError(f"OffloadAdamW: {where}['decoupled_weight_decay'] must be True (AdamW), got "
+                         f"{group['decoupled_weight_decay']!r}")
+
+
+def split_params(params: Any, where: str) -> Tuple[List[Any], Optional[List[str]]]:
+    """A group's 'params' as a list, and the names when given as (name, tensor) pairs
+    (``model.named_parameters()``), as torch.optim.Optimizer accepts them."""
+    if isinstance(params, torch.Tensor):
+        return [params], None
+    if isinstance(params, (set, frozenset)):
+        raise TypeError(f"OffloadAdamW: {where} is a set; parameters must come in an ordered collection "
+                        "(a list), since the order of a set changes between runs")
+    if isinstance(params, (str, bytes, dict)) or not isinstance(params, Iterable):
+        raise TypeError(f"OffloadAdamW: {where} must be a Tensor or an iterable of Tensors or (name, Tensor) "
+                        f"pairs, got {type(params).__name__}")
+    items = list(params)
+    named = [isinstance(x, tuple) for x in items]
+    if not any(named):
+        return items, None
+    if not all(named) or not all(len(x) == 2 and isinstance(x[0], str) for x in items):
+        raise ValueError(f"OffloadAdamW: {where} mixes named and unnamed parameters; give all as (name, Tensor) "
+                         "pairs or none")
+    return [x[1] for x in items], [x[0] for x in items]
+
+
+def param_dtype(lp: torch.Tensor) -> torch.dtype:
+    """The real dtype the state of `lp` is computed in (complex: its real view's)."""
+    return COMPLEX.get(lp.dtype, lp.dtype)
+
+
+def check_param(p: Any, where: str) -> None:
+    if not isinstance(p, torch.Tensor):
+        raise TypeError(f"OffloadAdamW: {where} is a {type(p).__name__}; expected a torch.Tensor")
+    lp = local(p)
+    if lp.dtype not in REAL and lp.dtype not in COMPLEX:
+        raise ValueError(f"OffloadAdamW: {where} is {lp.dtype}; expected float32, float16, bfloat16, float64, "
+                         "complex64 or complex128")
+    if lp.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"OffloadAdamW: {where} is on {lp.device}; expected the CPU or a GPU")
+    if lp.layout != torch.strided or lp.is_nested or lp.is_quantized:
+        raise ValueError(f"OffloadAdamW: {where} must be a dense strided tensor, got layout {lp.layout}")
+    if not p.is_leaf:
+        raise ValueError(f"OffloadAdamW: {where} is not a leaf tensor; expected a parameter (can't optimize a "
+                         "non-leaf Tensor)")
+
+
+def check_grad(p: torch.Tensor, where: str) -> None:
+    g = p.grad
+    if g.is_sparse or g.layout != torch.strided:
+        raise ValueError(f"OffloadAdamW does not support sparse gradients; {where} has a {g.layout} gradient")
+    lp, lg = local(p), local(g)
+    if lp.is_complex():
+        ok = lg.dtype == lp.dtype
+    else:
+        ok = lg.dtype in REAL and (lg.dtype == lp.dtype or (lg.dtype in FUSED and lp.dtype in FUSED))
+    if g.shape != p.shape or g.device != p.device or not ok:
+        expected = f"{lp.dtype}" if lp.is_complex() or lp.dtype == torch.float64 else "float32, float16 or bfloat16"
+        raise ValueError(f"OffloadAdamW: the gradient of {where} is {g.dtype} {tuple(g.shape)} on {g.device}; "
+                         f"expected a {expected} gradient shaped {tuple(p.shape)} on {p.device}")
+
+
+def check_loadable(opt: Any, state_dict: Any) -> Dict[torch.Tensor, dict]:
+    """Validates `state_dict` against `opt` and returns {param: saved state}."""
+    name = "OffloadAdamW.load_state_dict"
+    if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+        raise ValueError(f"{name}: expected a dict with 'state' and 'param_groups'")
+    saved_groups, groups = state_dict["param_groups"], opt.param_groups
+    if not isinstance(saved_groups, (list, tuple)) or not isinstance(state_dict["state"], dict):
+        raise ValueError(f"{name}: expected 'param_groups' to be a list and 'state' a dict")
+    if len(saved_groups) != len(groups):
+        raise ValueError(f"{name}: the state dict has {len(saved_groups)} parameter groups; this optimizer has "
+                         f"{len(groups)}")
+    ids: Dict[Any, torch.Tensor] = {}
+    for gi, (sg, g) in enumerate(zip(saved_groups, groups)):
+        if len(sg["params"]) != len(g["params"]):
+            raise ValueError(f"{name}: group {gi} has {len(sg['params'])} parameters in the state dict and "
+                             f"{len(g['params'])} here")
+        if not isinstance(sg, dict) or not isinstance(sg.get("params"), (list, tuple)):
+            raise ValueError(f"{name}: param_groups[{gi}] must be a dict with a list of parameter ids under 'params'")
+        check_group_options({**TORCH_FLAG_DEFAULTS, **sg}, f"state_dict['param_groups'][{gi}]")
+        ids.update(zip(sg["params"], g["params"]))
+    out = {}
+    for key, st in state_dict["state"].items():
+        if key not in ids:
+            raise ValueError(f"{name}: state for parameter id {key!r}, which no group lists")
+        p = ids[key]
+        lp = local(p)
+        if not isinstance(st, dict) or "step" not in st:
+            raise ValueError(f"{name}: the state of parameter {key} has no 'step'")
+        for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param"):
+            if k not in st:
+                continue
+            t = st[k]
+            shape = tuple(local(t).shape) if isinstance(t, torch.Tensor) else None
+            if shape != tuple(lp.shape):
+                raise ValueError(f"{name}: '{k}' of parameter {key} has shape {shape}; expected "
+                                 f"{tuple(lp.shape)} like the parameter")
+        for k in ("exp_avg", "exp_avg_sq"):
+            if k not in st:
+                raise ValueError(f"{name}: the state of parameter {key} has no '{k}'")
+        out[p] = st
+    return out
