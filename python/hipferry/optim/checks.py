@@ -51,6 +51,9 @@ def check_hyper(lr: Any, betas: Any, eps: Any, weight_decay: Any, where: str = "
         raise ValueError(f"OffloadAdamW: {name('betas')} must be two numbers in [0, 1), got {betas!r}")
     for i, b in enumerate(betas):
         scalar_value(b, f"{name('betas')}[{i}]", high=1.0)
+    if isinstance(betas[0], torch.Tensor) != isinstance(betas[1], torch.Tensor):
+        raise ValueError(f"OffloadAdamW: {name('betas')} must be either both floats or both Tensors (as "
+                         f"torch.optim.AdamW), got {betas!r}")
     scalar_value(eps, name("eps"))
     scalar_value(weight_decay, name("weight_decay"))
 
@@ -72,7 +75,7 @@ def check_group_options(group: Dict[str, Any], where: str) -> None:
     check_flag(group["maximize"], f"{where}['maximize']")
     for key in ("foreach", "fused"):
         check_flag(group.get(key), f"{where}[{key!r}]", allow_none=True)
-    check_flag(group.get("capturable", False), f"{where}['capturable']")
+    check_flag(group.get("capturable", False), f"{where}['capturable']", allow_none=True)
     check_flag(group.get("differentiable", False), f"{where}['differentiable']")
     if group.get("differentiable", False):
         raise ValueError(f"OffloadAdamW: {where}['differentiable'] is True; OffloadAdamW steps outside autograd "

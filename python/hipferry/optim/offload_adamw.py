@@ -376,6 +376,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         return all(bool(torch.stack(fs).all()) for fs in by_device.values())
 
     # ------------------------------------------------- writes outside step()
+    @torch.no_grad()
     def reload_params(self, params: Optional[Iterable[torch.Tensor]] = None) -> None:
         """Says "I wrote these parameters" (default: all of them): the float32
         masters of bf16/fp16 parameters and the CPU engine's host copies of GPU
@@ -580,6 +581,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                        for i, st in sd["state"].items()}
         return sd
 
+    @torch.no_grad()
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """torch.optim.Optimizer.load_state_dict's protocol: pre-hooks may edit or
         replace the state dict, groups lacking newer keys get torch's defaults
@@ -666,6 +668,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         new._rebuild(copy.deepcopy(self.__getstate__(), memo), pool=self._pool)
         return new
 
+    @torch.no_grad()
     def _rebuild(self, state: Dict[str, Any], pool: Optional[PinnedPool]) -> None:
         """Unpickling / deepcopy: a new optimizer over the copied parameters (its
         state in `pool`), then the copied state restored into it."""
