@@ -58,6 +58,20 @@ def check_hyper(lr: Any, betas: Any, eps: Any, weight_decay: Any, where: str = "
     scalar_value(weight_decay, name("weight_decay"))
 
 
+def check_norm_args(max_norm: Any, norm_type: Any) -> None:
+    """clip_grad_norm_'s arguments, as torch.nn.utils.clip_grad_norm_ takes them."""
+    if isinstance(max_norm, torch.Tensor) and max_norm.numel() == 1 and not max_norm.is_complex():
+        max_norm = float(max_norm.detach().reshape(()).item())
+    if not is_number(max_norm) or math.isnan(max_norm):
+        raise ValueError(f"OffloadAdamW: clip_grad_norm_: max_norm must be a number or a 1-element Tensor, got "
+                         f"{max_norm!r}")
+    if isinstance(norm_type, str):
+        if norm_type not in ("inf", "-inf"):
+            raise ValueError(f"OffloadAdamW: clip_grad_norm_: norm_type must be a number or 'inf', got {norm_type!r}")
+    elif not (is_number(norm_type) and not math.isnan(norm_type)):
+        raise ValueError(f"OffloadAdamW: clip_grad_norm_: norm_type must be a number or 'inf', got {norm_type!r}")
+
+
 def check_flag(value: Any, what: str, *, allow_none: bool = False) -> None:
     if isinstance(value, bool) or (allow_none and value is None):
         return
@@ -155,11 +169,11 @@ def check_loadable(opt: Any, state_dict: Any) -> Dict[torch.Tensor, dict]:
                          f"{len(groups)}")
     ids: Dict[Any, torch.Tensor] = {}
     for gi, (sg, g) in enumerate(zip(saved_groups, groups)):
+        if not isinstance(sg, dict) or not isinstance(sg.get("params"), (list, tuple)):
+            raise ValueError(f"{name}: param_groups[{gi}] must be a dict with a list of parameter ids under 'params'")
         if len(sg["params"]) != len(g["params"]):
             raise ValueError(f"{name}: group {gi} has {len(sg['params'])} parameters in the state dict and "
                              f"{len(g['params'])} here")
-        if not isinstance(sg, dict) or not isinstance(sg.get("params"), (list, tuple)):
-            raise ValueError(f"{name}: param_groups[{gi}] must be a dict with a list of parameter ids under 'params'")
         check_group_options({**TORCH_FLAG_DEFAULTS, **sg}, f"state_dict['param_groups'][{gi}]")
         ids.update(zip(sg["params"], g["params"]))
     out = {}

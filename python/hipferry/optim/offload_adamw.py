@@ -26,7 +26,7 @@ from ..pool import PinnedPool, default_pool
 from ..transfer import Transfer, offload
 from . import calibration
 from .checks import (LOW_PRECISION, TORCH_FLAG_DEFAULTS, check_flag, check_grad, check_group_options,
-                     check_loadable, check_param, param_dtype, scalar_value, split_params)
+                     check_loadable, check_norm_args, check_param, param_dtype, scalar_value, split_params)
 from .layout import aligned, memory_flat, real, shaped, state_strides, torch_ops_step
 from .state import format_bytes, local, state_keys, to_global_state, torch_group_defaults
 
@@ -82,6 +82,9 @@ class OffloadAdamW(torch.optim.Optimizer):
                         eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize, foreach=foreach,
                         capturable=capturable, differentiable=differentiable, fused=fused)
         check_group_options(defaults, "the default group")
+        if fused and foreach:
+            raise ValueError("OffloadAdamW: fused=True and foreach=True cannot be given together (as in "
+                             "torch.optim.AdamW); both are ignored, pass at most one")
         check_flag(skip_nonfinite, "skip_nonfinite")
         if step_on not in ("auto", "cpu", "gpu"):
             raise ValueError(f"OffloadAdamW: step_on must be 'auto', 'cpu' or 'gpu', got {step_on!r}")
@@ -152,6 +155,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             if self._is_remote(p) and p.requires_grad:
                 self._hooks.append(p.register_post_accumulate_grad_hook(_weak_hook(self)))
 
+    @torch.no_grad()
     def _allocate(self, params: List[torch.Tensor], group: dict) -> None:
         """Allocates (and zeroes) every state tensor of `params` at once, so a
         pool that is too small fails here, before anything is kept."""
@@ -394,6 +398,12 @@ class OffloadAdamW(torch.optim.Optimizer):
             slot.seen = None
             self._reread_if_written(p, self.state[p], slot)
 
+    @torch.no_grad()
+    def _reread_written(self) -> None:
+        """Every parameter written outside step() (as far as it shows) is read again."""
+        for p, slot in self._slots.items():
+            self._reread_if_written(p, self.state[p], slot)
+
     def _reread_if_written(self, p: torch.Tensor, st: dict, slot: _Slot) -> None:
         """Reads the parameter again if it was written outside step()."""
         lp = local(p)
@@ -403,7 +413,12 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._sync_streamers()  # a streamed step may still be writing the master back
         self._wait_copies_back()
         if "master_param" in st:
-            st["master_param"].copy_(lp)
+            # Only where the write changed the value (the parameter no longer is the rounded
+            # master): elsewhere the master keeps its float32 precision (a layout change, a
+            # write of equal values).
+            master = st["master_param"]
+            written = lp.to(master.device)
+            master.copy_(torch.where(master.to(lp.dtype) != written, written.float(), master))
         if slot.host_param is not None:
             real(slot.host_param).copy_(real(lp))
         slot.seen = key
@@ -535,6 +550,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         """torch.nn.utils.clip_grad_norm_ over this optimizer's parameters (same
         result), keeping the CPU engine's in-flight gradient copies: they are
         scaled on the host by the same factor instead of being copied again."""
+        check_norm_args(max_norm, norm_type)
+        check_flag(error_if_nonfinite, "clip_grad_norm_: error_if_nonfinite")
+        check_flag(foreach, "clip_grad_norm_: foreach", allow_none=True)
         params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
         grads = [p.grad for p in params]
         total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
@@ -575,6 +593,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         parameter is a DTensor like the parameter (as torch.optim.AdamW keeps it),
         wrapping this rank's host tensors without copying them."""
         self.synchronize()
+        self._reread_written()  # a master written outside step() is saved as written
         sd = super().state_dict()
         params = [p for g in self.param_groups for p in g["params"]]
         sd["state"] = {i: to_global_state(params[i], st) if isinstance(i, int) and i < len(params) else st
@@ -648,6 +667,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         is not pickled: an unpickled optimizer uses the default pool (a
         deepcopy shares the original's pool)."""
         self.synchronize()
+        self._reread_written()
         return {"defaults": self.defaults, "state": self.state, "param_groups": self.param_groups,
                 "hipferry": dict(step_on=self._requested_step_on, min_offload_numel=self._min_offload_numel,
                                  chunk_numel=self._chunk_numel, ring_slots=self._ring_slots,
