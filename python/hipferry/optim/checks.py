@@ -81,7 +81,7 @@ def check_flag(value: Any, what: str, *, allow_none: bool = False) -> None:
 
 def check_group_options(group: Dict[str, Any], where: str) -> None:
     """Hyperparameters and flags of one parameter group (at add_param_group and every step())."""
-    for key in ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize"):
+    for key in ("lr", "betas", "eps", "weight_decay", *TORCH_FLAG_DEFAULTS):
         if key not in group:
             raise ValueError(f"OffloadAdamW: {where} has no {key!r}; expected the keys torch.optim.AdamW uses")
     check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"], where)
@@ -89,12 +89,12 @@ def check_group_options(group: Dict[str, Any], where: str) -> None:
     check_flag(group["maximize"], f"{where}['maximize']")
     for key in ("foreach", "fused"):
         check_flag(group.get(key), f"{where}[{key!r}]", allow_none=True)
-    check_flag(group.get("capturable", False), f"{where}['capturable']", allow_none=True)
-    check_flag(group.get("differentiable", False), f"{where}['differentiable']")
-    if group.get("differentiable", False):
+    check_flag(group["capturable"], f"{where}['capturable']", allow_none=True)
+    check_flag(group["differentiable"], f"{where}['differentiable']")
+    if group["differentiable"]:
         raise ValueError(f"OffloadAdamW: {where}['differentiable'] is True; OffloadAdamW steps outside autograd "
                          "and does not support differentiable=True (use torch.optim.AdamW for that)")
-    if group.get("decoupled_weight_decay", True) is not True:
+    if group["decoupled_weight_decay"] is not True:
         raise ValueError(f"OffloadAdamW: {where}['decoupled_weight_decay'] must be True (AdamW), got "
                          f"{group['decoupled_weight_decay']!r}")
 
