@@ -56,16 +56,40 @@ def _timeline(parser, args) -> int:
     import json
     import os
     from .bench.timeline import events_from_chrome_json, write_timeline_png
+    out = args.out or os.path.splitext(args.trace)[0] + ".png"
+    option = "--out" if args.out else "--out (default: the trace's path with .png)"
+    problem = _cannot_write_file(out)
+    if problem is None and os.path.exists(out) and os.path.exists(args.trace) and os.path.samefile(out, args.trace):
+        problem = "is the trace itself; expected another path for the PNG"
+    if problem:
+        parser.error(f"timeline: {option} {out!r} {problem}")
     try:
         with open(args.trace) as f:
             events = events_from_chrome_json(json.load(f))
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
         parser.error(f"timeline: cannot read {args.trace}: {e}")
-    out = args.out or os.path.splitext(args.trace)[0] + ".png"
-    if not write_timeline_png(out, events, os.path.basename(args.trace)):
-        return 1
+    try:
+        if not write_timeline_png(out, events, os.path.basename(args.trace)):
+            return 1
+    except OSError as e:
+        parser.error(f"timeline: cannot write {option} {out!r}: {e.strerror or e}")
     print(f"wrote {out} ({len(events)} events)")
     return 0
+
+
+def _cannot_write_file(path: str):
+    """Why a file cannot be written at `path` (None if it can, as far as can be told without writing it)."""
+    import os
+    if os.path.isdir(path):
+        return "is a directory; expected a PNG file path"
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.exists(parent):
+        return f"is in a directory that does not exist ({parent}); expected an existing directory"
+    if not os.path.isdir(parent):
+        return f"is under {parent}, which is not a directory"
+    if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        return "is not writable"
+    return None
 
 
 if __name__ == "__main__":

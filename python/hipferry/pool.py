@@ -121,7 +121,11 @@ class PinnedPool:
             raise ValueError(f"hipferry.PinnedPool: provider must be one of {_PROVIDERS}, got {provider!r}")
         if isinstance(register_threads, bool) or not isinstance(register_threads, int) or register_threads < 1:
             raise ValueError(f"hipferry.PinnedPool: register_threads must be an int >= 1, got {register_threads!r}")
-        if coherent not in (None, True, False):
+        for flag, value in (("portable", portable), ("mapped", mapped), ("numa_user", numa_user),
+                            ("write_combined", write_combined)):
+            if not isinstance(value, bool):  # "no" or [] would silently mean True / False
+                raise TypeError(f"hipferry.PinnedPool: {flag} must be True or False, got {value!r}")
+        if coherent is not None and not isinstance(coherent, bool):  # 0 == False, but `coherent is False` is not
             raise ValueError(f"hipferry.PinnedPool: coherent must be None, True or False, got {coherent!r}")
         self._id: Optional[int] = None
         self._provider_kind = provider
@@ -314,6 +318,11 @@ def pin(tensor: torch.Tensor, pool: Optional[PinnedPool] = None) -> torch.Tensor
         raise ValueError(f"hipferry.pin: tensor must be on the CPU, got a tensor on {tensor.device}")
     if tensor.layout != torch.strided:
         raise ValueError(f"hipferry.pin: tensor must be strided (dense), got layout {tensor.layout}")
+    if tensor.is_nested:  # layout strided too; its .shape would raise an internal error
+        raise ValueError("hipferry.pin: tensor is a nested tensor; expected a plain dense tensor (pin each component)")
+    if tensor.is_quantized:  # else PinnedPool.empty would name its own dtype argument
+        raise ValueError(f"hipferry.pin: tensor is quantized ({tensor.dtype}); expected a plain dtype "
+                         "(pin tensor.int_repr() and keep the quantization parameters)")
     if pool is not None and not isinstance(pool, PinnedPool):
         raise TypeError(f"hipferry.pin: pool must be a hipferry.PinnedPool or None, got {type(pool).__name__}")
     out = (pool or default_pool()).empty(tuple(tensor.shape), dtype=tensor.dtype)

@@ -73,6 +73,9 @@ def _flatten(tensors: Any, api: str):
             where = "tensors" + pytree.keystr(path)
             raise TypeError(f"{api}: {where} is of type {type(leaf).__name__}; expected a tensor, or a list / tuple / "
                             "dict of tensors")
+        if leaf.is_nested:  # layout strided (or jagged); the engine would stop at an internal error about sizes
+            where = "tensors" + pytree.keystr(path)
+            raise ValueError(f"{api}: {where} is a nested tensor; expected plain dense tensors (move its components)")
     return leaves, spec
 
 

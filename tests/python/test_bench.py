@@ -36,6 +36,29 @@ def test_bad_arguments(args, msg, tmp_path):
     assert r.returncode == 2 and msg in r.stderr
 
 
+@pytest.mark.parametrize("where,msg", [("existing-file", "is an existing file; expected a directory"),
+                                       ("under-a-file", "is a file, not a directory")])
+def test_out_that_cannot_be_a_directory_is_a_one_line_error_before_any_suite_runs(tmp_path, where, msg):
+    plain = tmp_path / "results"
+    plain.write_text("keep me")
+    out = plain if where == "existing-file" else plain / "sub"  # root ignores permissions: a file in the way
+    r = subprocess.run([sys.executable, "-m", "hipferry", "bench", "copy_cast", "--quick", "--max-bytes", "4096",
+                        "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert f"--out {str(out)!r}" in last and msg in last, last
+    assert "[copy_cast]" not in r.stderr and "== copy_cast ==" not in r.stdout  # no suite ran
+    assert plain.read_text() == "keep me"
+
+
+def test_prepare_out_dir_makes_missing_parents(tmp_path):
+    out = tmp_path / "a" / "b"
+    bench.prepare_out_dir(str(out))
+    assert out.is_dir()
+    bench.prepare_out_dir(str(out))  # an existing directory is fine
+
+
 def test_best_of_interleaved_keeps_each_minimum():
     times = {"a": iter([3.0, 1.0, 2.0]), "b": iter([5.0, 6.0, 4.0])}
     best = bench.best_of_interleaved({k: (lambda k=k: next(times[k])) for k in times}, repeats=3)

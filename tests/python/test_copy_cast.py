@@ -3,6 +3,9 @@
 One device-generic checker, thin per-placement wrappers; the GPU ones skip
 without a GPU. Every GPU result is compared with the CPU reference (torch).
 """
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -167,6 +170,125 @@ def test_sparse_rejected():
     assert torch.equal(dst, torch.zeros(3))
 
 
+def quantized():
+    return torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)
+
+
+def nested():
+    return torch.nested.nested_tensor([torch.randn(4), torch.randn(4)])
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # quantized / nested tensors: "deprecated", "prototype"
+@pytest.mark.parametrize("make,what", [(quantized, "is quantized"), (nested, "is a nested tensor")],
+                         ids=["quantized", "nested"])
+@pytest.mark.parametrize("side", ["dst", "src"])
+def test_quantized_and_nested_rejected_naming_the_side(make, what, side):
+    odd, plain = make(), torch.zeros(4)
+    odd_before = odd.int_repr().clone() if odd.is_quantized else odd.values().clone()
+    dst, src = (odd, plain) if side == "dst" else (plain, odd)
+    with pytest.raises(ValueError, match=rf"copy_cast_: {side} {what}\b.*; expected a plain"):
+        hipferry.copy_cast_(dst, src)
+    assert torch.equal(plain, torch.zeros(4))
+    assert torch.equal(odd.int_repr() if odd.is_quantized else odd.values(), odd_before)
+
+
+@pytest.mark.parametrize("meta_side", ["dst", "src"])
+@pytest.mark.parametrize("call", [hipferry.copy_cast_, torch.ops.hipferry.copy_cast_.default],
+                         ids=["hipferry", "torch.ops"])
+def test_meta_on_one_side_only_rejected(meta_side, call):
+    # The Meta key wins dispatch when either side is meta: without a check the fake kernel "succeeds" and
+    # nothing is written (dst real) or read (src real).
+    real = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    meta = torch.empty(2, 3, dtype=torch.bfloat16, device="meta")
+    other = "src" if meta_side == "dst" else "dst"
+    with pytest.raises(RuntimeError, match=rf"{meta_side} is on the meta device but {other} is on cpu"):
+        call(meta, real) if meta_side == "dst" else call(real.to(torch.bfloat16), meta)
+    assert torch.equal(real, torch.arange(6, dtype=torch.float32).reshape(2, 3))
+    dst = torch.zeros(2, 3)
+    with pytest.raises(RuntimeError, match="meta device"):
+        call(dst, torch.empty(2, 3, device="meta"))
+    assert torch.equal(dst, torch.zeros(2, 3))
+
+
+def test_fake_tensors_check_shapes_and_dtypes_on_the_device_they_stand_for():
+    # torch.compile's FakeTensors report cpu (not meta): the fake kernel accepts them, and checks shapes.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        dst, src = torch.empty(3, 4, dtype=torch.bfloat16), torch.empty(3, 4)
+        assert dst.device.type == "cpu"
+        assert hipferry.copy_cast_(dst, src) is dst
+        with pytest.raises(RuntimeError, match="expected equal shapes"):
+            hipferry.copy_cast_(dst, torch.empty(4, 3))
+        with pytest.raises(RuntimeError, match="meta device"):
+            hipferry.copy_cast_(dst, torch.empty(3, 4, device="meta"))
+
+
+# --- tensors with torch's conjugate / negative bit ----------------------------
+
+MATH_BIT_CASES = {
+    "neg f32->bf16": (lambda t: torch._neg_view(t), torch.float32, torch.bfloat16),
+    "neg bf16->f16": (lambda t: torch._neg_view(t), torch.bfloat16, torch.float16),
+    "conj c64": (lambda t: t.conj(), torch.complex64, torch.complex64),
+    "neg conj c64": (lambda t: torch._neg_view(t.conj()), torch.complex64, torch.complex64),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MATH_BIT_CASES))
+@pytest.mark.parametrize("call", [hipferry.copy_cast_, torch.ops.hipferry.copy_cast_.default],
+                         ids=["hipferry", "torch.ops"])
+def test_dst_and_src_with_conjugate_or_negative_bit_give_torch_values(case, call):
+    view, src_dtype, dst_dtype = MATH_BIT_CASES[case]
+    g = torch.Generator().manual_seed(1)
+    src = (torch.randn(257, generator=g, dtype=torch.complex64 if src_dtype.is_complex else torch.float32) * 300)
+    src = src.to(src_dtype)
+    base = torch.zeros(257, dtype=dst_dtype)
+    call(view(base), src)  # writing v into a view with the bit stores conj(v) / -v in base
+    assert torch.equal(view(base), src.to(dst_dtype))
+    plain = torch.zeros(257, dtype=dst_dtype)
+    call(plain, view(src.clone()))  # a source with the bit: its values, not its raw memory
+    assert torch.equal(plain, view(src).to(dst_dtype))
+
+
+def test_negative_view_copied_onto_itself_does_not_corrupt_memory():
+    # torch's MathBitsFallback, for a mutated argument of an op returning nothing, wrote past the end of the
+    # dispatcher stack: "malloc(): unsorted double linked list corrupted" within a few hundred calls. Run in a
+    # subprocess, so that a regression is a failure, not the end of the test session.
+    code = ("import torch, hipferry\n"
+            "for i in range(3000):\n"
+            "    x = torch._neg_view(torch.randn(3))\n"
+            "    want = x.clone()\n"
+            "    torch.ops.hipferry.copy_cast_(x, x)\n"
+            "    hipferry.copy_cast_(x, x)\n"
+            "    assert torch.equal(x, want)\n"
+            "print('ok')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+def test_math_bits_keep_the_contiguity_rule():
+    # The bit moves from dst to src, which is then materialized (a contiguous copy): the rule is checked first.
+    with pytest.raises(RuntimeError, match="src must be contiguous"):
+        hipferry.copy_cast_(torch._neg_view(torch.zeros(4, 4)), torch.ones(4, 4).t())
+    with pytest.raises(RuntimeError, match=r"cannot convert src dtype (Bool|torch.bool) to dst dtype (Float|torch.fl)"):
+        hipferry.copy_cast_(torch._neg_view(torch.zeros(4)), torch.ones(4, dtype=torch.bool))
+
+
+def test_math_bits_on_meta_fake_and_compiled_tensors():
+    # With the fake kernel the fallback said "Expected Tensor but got None".
+    hipferry.copy_cast_(torch._neg_view(torch.empty(3, device="meta")), torch.empty(3, device="meta"))
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        hipferry.copy_cast_(torch.empty(3, dtype=torch.complex64).conj(), torch.empty(3, dtype=torch.complex64))
+
+    def step(out, x):
+        hipferry.copy_cast_(torch._neg_view(out), x * 2)
+        return out
+
+    x = torch.randn(100)
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(torch.zeros(100, dtype=torch.bfloat16), x)
+    assert torch.equal(got, step(torch.zeros(100, dtype=torch.bfloat16), x))
+
+
 # --- torch integration ------------------------------------------------------
 
 @pytest.mark.parametrize("src_dtype,dst_dtype", [(torch.float32, torch.bfloat16), (torch.float16, torch.float32)])
@@ -181,6 +303,11 @@ def test_meta_kernel_checks_shapes():
     torch.ops.hipferry.copy_cast_(dst, torch.empty(3, 4, device="meta"))
     with pytest.raises(RuntimeError, match="expected equal shapes"):
         torch.ops.hipferry.copy_cast_(dst, torch.empty(4, 3, device="meta"))
+    # What the real kernels reject, the meta kernel rejects too (it ran through, before).
+    with pytest.raises(RuntimeError, match="src must be contiguous"):
+        torch.ops.hipferry.copy_cast_(dst, torch.empty(4, 3, device="meta").t())
+    with pytest.raises(RuntimeError, match="dst must be contiguous"):
+        torch.ops.hipferry.copy_cast_(torch.empty(4, 3, device="meta").t(), torch.empty(3, 4, device="meta"))
 
 
 def test_torch_compile():

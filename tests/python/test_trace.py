@@ -208,3 +208,118 @@ def test_timeline_command_rejects_what_is_not_a_trace(tmp_path):
     r = subprocess.run([sys.executable, "-m", "hipferry", "timeline", str(bad)], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2 and "not a Chrome trace" in r.stderr, r.stderr
+
+
+# --- timeline: bad traces and bad --out are one-line errors, not tracebacks ---------------
+
+GOOD_X = {"ph": "X", "pid": 1, "tid": 1, "name": "copy", "cat": "copy", "ts": 0.0, "dur": 2.0, "args": {"bytes": 8}}
+
+
+def run_timeline(*args):
+    return subprocess.run([sys.executable, "-m", "hipferry", "timeline", *map(str, args)], capture_output=True,
+                          text=True, timeout=120)
+
+
+def assert_one_line_error(r, *needles):
+    assert r.returncode != 0, r.stdout
+    assert "Traceback" not in r.stderr, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    for n in needles:
+        assert n in last, f"{n!r} should be in {last!r}"
+
+
+def timeline_in_process(capsys, *args):
+    """`python -m hipferry timeline ARGS` in this process (seconds faster than a subprocess): the exit code and
+    captured output; an exception other than the CLI's SystemExit propagates and fails the test, as the
+    traceback would."""
+    from hipferry.__main__ import main
+    try:
+        rc = main(["timeline", *map(str, args)])
+    except SystemExit as e:
+        rc = e.code
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(args, rc, out, err)
+
+
+@pytest.mark.parametrize("events,needles", [
+    ([dict(GOOD_X, ts=float("inf"))], ["traceEvents[0]", "'ts'", "inf", "finite"]),
+    ([GOOD_X, dict(GOOD_X, dur=float("-inf"))], ["traceEvents[1]", "'dur'", "finite"]),
+    ([dict(GOOD_X, ts=float("nan"))], ["traceEvents[0]", "'ts'", "finite"]),
+    ([dict(GOOD_X, ts=1e308)], ["traceEvents[0]", "'ts'"]),  # finite in us, not in ns
+    ([dict(GOOD_X, args=[1, 2])], ["traceEvents[0]", "'args'", "object"]),
+    ([{"ph": "M", "tid": 1, "name": "thread_name", "args": "worker"}, GOOD_X], ["traceEvents[0]", "'args'", "object"]),
+    ([GOOD_X, 3, "event"], ["traceEvents[1]", "int", "object"]),
+    ([dict(GOOD_X, cat=["copy"])], ["traceEvents[0]", "'cat'", "string"]),
+    ([dict(GOOD_X, tid=[1])], ["traceEvents[0]", "'tid'"]),
+    ([dict(GOOD_X, args={"bytes": "lots"})], ["traceEvents[0]", "'args.bytes'"]),
+    ([{k: v for k, v in GOOD_X.items() if k != "ts"}], ["traceEvents[0]", "'ts'"]),
+], ids=["ts-inf", "dur-inf", "ts-nan", "ts-overflows-ns", "args-list", "meta-args-str", "non-object", "cat-list",
+        "tid-list", "bytes-str", "no-ts"])
+def test_timeline_command_rejects_bad_events_in_one_line(tmp_path, capsys, events, needles):
+    trace = tmp_path / "bad.json"
+    trace.write_text(json.dumps({"traceEvents": events}))  # json writes inf/nan as Infinity/NaN, as json.loads reads
+    r = timeline_in_process(capsys, trace)
+    assert_one_line_error(r, "bad.json", *needles)
+    assert not (tmp_path / "bad.png").exists()
+
+
+def test_timeline_command_accepts_what_the_checks_allow(tmp_path, capsys):
+    # The counterpart of the rejections above: ints or floats, a string tid, an event without args.
+    trace = tmp_path / "ok.json"
+    events = [GOOD_X, dict(GOOD_X, ts=5, dur=1, tid="worker"), {k: v for k, v in GOOD_X.items() if k != "args"}]
+    trace.write_text(json.dumps({"traceEvents": events}))
+    r = timeline_in_process(capsys, trace)
+    assert r.returncode == 0, r.stderr
+    from hipferry.bench.timeline import events_from_chrome_json
+    got = events_from_chrome_json(json.loads(trace.read_text()))
+    assert [(e["start_ns"], e["end_ns"], e["bytes"]) for e in got] == [(0, 2000, 8), (5000, 6000, 8), (0, 2000, 0)]
+
+
+@pytest.mark.parametrize("where,needles", [
+    ("missing-dir", ["--out", "does not exist"]),
+    ("directory", ["--out", "is a directory"]),
+    ("under-a-file", ["--out", "not a directory"]),
+])
+def test_timeline_command_rejects_an_out_it_cannot_write(tmp_path, capsys, where, needles):
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps({"traceEvents": [GOOD_X]}))
+    (tmp_path / "plain").write_text("x")
+    (tmp_path / "d.png").mkdir()
+    out = {"missing-dir": tmp_path / "nope" / "t.png", "directory": tmp_path / "d.png",
+           "under-a-file": tmp_path / "plain" / "t.png"}[where]
+    r = timeline_in_process(capsys, trace, "--out", out)
+    assert_one_line_error(r, str(out), *needles)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.png", "plain", "t.json"]  # nothing written
+    assert not any((tmp_path / "d.png").iterdir())
+
+
+def test_timeline_command_writes_exactly_the_out_path(tmp_path, capsys):
+    # matplotlib adds ".png" to a name without an extension unless told the format: "wrote X" must be X.
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps({"traceEvents": [GOOD_X]}))
+    r = timeline_in_process(capsys, trace, "--out", tmp_path / "picture")
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "picture").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (tmp_path / "picture.png").exists()
+
+
+def test_timeline_command_does_not_overwrite_its_trace(tmp_path, capsys):
+    trace = tmp_path / "t.png"  # the default --out of "t.png" is "t.png"
+    text = json.dumps({"traceEvents": [GOOD_X]})
+    trace.write_text(text)
+    r = timeline_in_process(capsys, trace)
+    assert_one_line_error(r, "--out", "the trace itself")
+    assert trace.read_text() == text
+
+
+def test_timeline_command_line_prints_one_line_not_a_traceback(tmp_path):
+    # The same checks through the real command line: exit status 2 and one line on stderr.
+    trace = tmp_path / "bad.json"
+    trace.write_text('{"traceEvents": [{"ph": "X", "tid": 1, "ts": Infinity, "dur": 1}]}')
+    r = run_timeline(trace)
+    assert r.returncode == 2
+    assert_one_line_error(r, "traceEvents[0] 'ts' is inf")
+    trace.write_text(json.dumps({"traceEvents": [GOOD_X]}))
+    r = run_timeline(trace, "--out", tmp_path)
+    assert r.returncode == 2
+    assert_one_line_error(r, "--out", "is a directory")

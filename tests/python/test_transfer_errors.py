@@ -65,6 +65,17 @@ def test_sparse_rejected(direction):
                    [r"sparse|strided|layout"], [dense])
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")  # nested tensors: "prototype"
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged], ids=["strided", "jagged"])
+def test_nested_tensor_rejected_naming_its_place(direction, layout):
+    # Found by test_public_api_fuzz.py: a nested tensor (strided layout) stopped at torch's
+    # "Internal error: NestedTensorImpl doesn't support sizes", naming nothing.
+    dense = torch.ones(3)
+    nt = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=layout)
+    check_rejected(lambda: start(direction, {"w": [dense, nt]}, "cpu"), ValueError,
+                   [r"tensors\['w'\]\[1\] is a nested tensor; expected plain dense tensors"], [dense])
+
+
 def test_bad_pool_and_dtype_arguments(direction):
     src = torch.ones(3)
     check_rejected(lambda: start(direction, src, "cpu", pool="default"), TypeError, [r"pool"], [src])

@@ -156,12 +156,33 @@ def _load_suites() -> None:
     from . import copy_cast_suite, layers_suite, offload_suite, optim_suite, pool_suite, transfer_suite  # noqa: F401
 
 
+def prepare_out_dir(out_dir: str) -> None:
+    """Makes the directory `out_dir` (and its parents) if missing; raises ValueError naming --out and why
+    it cannot hold the results (an existing file, a parent that is a file, no permission)."""
+    if not isinstance(out_dir, (str, os.PathLike)) or not os.fspath(out_dir):
+        raise ValueError(f"hipferry bench: --out must be a directory path, got {out_dir!r}")
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ValueError(f"hipferry bench: --out {os.fspath(out_dir)!r} is an existing file; expected a directory "
+                         "(made if missing)")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        parent = os.path.dirname(os.path.abspath(out_dir))
+        while parent and not os.path.exists(parent) and os.path.dirname(parent) != parent:
+            parent = os.path.dirname(parent)
+        why = f"{parent!r} is a file, not a directory" if os.path.isfile(parent) else (e.strerror or str(e))
+        raise ValueError(f"hipferry bench: --out {os.fspath(out_dir)!r} cannot be created: {why}") from None
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        raise ValueError(f"hipferry bench: --out {os.fspath(out_dir)!r} is not writable; expected a directory "
+                         "this user can write to")
+
+
 def run(names: List[str], out_dir: str, ctx: Context) -> Dict[str, dict]:
     _load_suites()
     unknown = [n for n in names if n not in _SUITES]
     if unknown:
         raise ValueError(f"hipferry bench: unknown suite(s) {unknown}; expected one of {sorted(_SUITES)}")
-    os.makedirs(out_dir, exist_ok=True)
+    prepare_out_dir(out_dir)  # before any suite runs: a bad --out must not cost a run's minutes
     ctx.out_dir = out_dir
     results = {}
     for name in names or sorted(_SUITES):
