@@ -295,25 +295,26 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._wait_copies_back()  # the host buffers the last step sent back are written again below
         streamed: Dict[tuple, list] = {}
         host_gpu = []
+        hypers = {id(g): self._hyper(g) for g in self.param_groups}  # once per group, not per parameter
         for group, p in work:
             st, slot = self.state[p], self._slots[p]
             self._reread_if_written(p, st, slot)
             st["step"] += 1
             step = int(st["step"].item())
             if slot.where == "device" or not self._is_remote(p) or param_dtype(local(p)) == torch.float64:
-                self._step_in_place(group, p, st, step)
+                self._step_in_place(group, hypers[id(group)], p, st, step)
             elif self.step_on == "gpu" and self._streamable(p, st):
                 streamed.setdefault((id(group), p.device.index, step), []).append((group, p))
             else:
                 host_gpu.append((group, p, step))
         for (_, device, step), items in streamed.items():
-            self._step_streamed(device, step, items)
+            self._step_streamed(device, step, items, hypers[id(items[0][0])])
         # The state is back on the host when step() returns: costs the last chunk's
         # copy out (the next forward is queued behind the step's kernels anyway), and
         # opt.state can be read on the host at once.
         self._sync_streamers()
         for group, p, step in host_gpu:
-            self._step_host_for_gpu(group, p, step)
+            self._step_host_for_gpu(group, hypers[id(group)], p, step)
         for device in sorted({p.device.index for _, p, _ in host_gpu if p.device.type == "cuda"}):
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(device))
@@ -443,11 +444,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         _C._adamw_step_(flat(target), flat(aligned(grad, m)), flat(m), flat(v), flat(mx) if mx is not None else None,
                         flat(out) if out is not None else None, step, **group_hyper)
 
-    def _step_in_place(self, group: dict, p: torch.Tensor, st: dict, step: int) -> None:
+    def _step_in_place(self, group: dict, hyper: dict, p: torch.Tensor, st: dict, step: int) -> None:
         """State and gradient on the parameter's own device."""
         lp = local(p)
         rp, grad = real(lp), real(local(p.grad))
-        hyper = self._hyper(group)
         m = real(st["exp_avg"])
         if param_dtype(lp) == torch.float64:
             torch_ops_step(rp, grad, m, real(st["exp_avg_sq"]),
@@ -468,7 +468,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         torch.autograd.graph.increment_version(lp)  # written through a raw pointer: say so (offload_layers reads it)
         self._slots[p].seen = param_key(lp)
 
-    def _step_host_for_gpu(self, group: dict, p: torch.Tensor, step: int) -> None:
+    def _step_host_for_gpu(self, group: dict, hyper: dict, p: torch.Tensor, step: int) -> None:
         """CPU engine, GPU parameter: host step, then an async copy back."""
         st, slot = self.state[p], self._slots[p]
         lp = local(p)
@@ -480,7 +480,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             slot.host_param.copy_(real(lp))
         if master is not None and slot.host_out is None:
             slot.host_out = self._host_tensor_like(m, lp.dtype)
-        self._fused_step(self._hyper(group), master if master is not None else slot.host_param, grad, st,
+        self._fused_step(hyper, master if master is not None else slot.host_param, grad, st,
                          group["amsgrad"], slot.host_out if master is not None else None, step)
         real(lp).copy_(slot.host_out if master is not None else slot.host_param, non_blocking=True)
         slot.seen = param_key(lp)
@@ -490,7 +490,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         rp = real(local(p))
         return memory_flat(rp) is not None and rp.stride() == real(st["exp_avg"]).stride()
 
-    def _step_streamed(self, device: int, step: int, items: list) -> None:
+    def _step_streamed(self, device: int, step: int, items: list, hyper: dict) -> None:
         streamer = self._streamers.get(device)
         if streamer is None:
             streamer = _C.AdamWStreamer(device, self._chunk_numel, self._ring_slots)
@@ -509,7 +509,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             lists["exp_avg_sqs"].append(memory_flat(real(st["exp_avg_sq"])))
             mx = st.get("max_exp_avg_sq") if group["amsgrad"] else None
             lists["max_exp_avg_sqs"].append(memory_flat(real(mx)) if mx is not None else None)
-        streamer.step(**lists, step=step, **self._hyper(group))
+        streamer.step(**lists, step=step, **hyper)
         for _, p in items:
             torch.autograd.graph.increment_version(local(p))  # written by our kernel, unseen by autograd
             self._slots[p].seen = param_key(local(p))
