@@ -768,7 +768,7 @@ class Rig:
     def inject_group_del(self):
         gi = self.group_target()
         key = self.data.draw(st.sampled_from(CORE_KEYS + TORCH_ONLY_KEYS + ("params",)), label="deleted key")
-        group, tgroup = self.opt.param_groups[gi], self.twin.param_groups[gi]
+        group = self.opt.param_groups[gi]
         old = group.pop(key)
         if key == "params":
             self.deleted_params[gi] = old

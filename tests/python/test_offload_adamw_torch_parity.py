@@ -382,21 +382,27 @@ def test_save_load_equality_with_weights_only(engine, weights_only):
     check_each_config(all_inputs(), run)
 
 
+def two_params_stepped_thrice(engine, cfg):
+    """test_optim's fixture of several tests: two 2x3 parameters with random gradients, three steps."""
+    params = [Parameter(torch.randn(2, 3).to(dev(engine))) for _ in range(2)]
+    for p in params:
+        p.grad = torch.rand_like(p)
+    opt = make_offload(engine, params, **copy.deepcopy(cfg.kwargs))
+    for _ in range(3):
+        opt.step()
+    return opt
+
+
 @pytest.mark.parametrize("engine", ENGINE)
 def test_load_nontensor_step(engine):
     def run(cfg):
-        params = [Parameter(torch.randn(2, 3).to(dev(engine))) for _ in range(2)]
-        for p in params:
-            p.grad = torch.rand_like(p)
-        opt = make_offload(engine, params, **copy.deepcopy(cfg.kwargs))
-        for _ in range(3):
-            opt.step()
+        opt = two_params_stepped_thrice(engine, cfg)
         sd = copy.deepcopy(opt.state_dict())
         for st in sd["state"].values():
             st["step"] = st["step"].item()
         opt.load_state_dict(sd)
         opt.step()
-        assert all(float(opt.state[p]["step"]) == 4 for p in params)
+        assert all(float(opt.state[p]["step"]) == 4 for p in opt.param_groups[0]["params"])
     check_each_config(all_inputs(), run)
 
 
@@ -678,34 +684,17 @@ def test_load_state_dict_pre_hook_edits_to_the_state_are_used(engine, returns):
 
 # --------------------------------------------------------------------------- step hooks
 @pytest.mark.parametrize("engine", ENGINE)
-def test_step_post_hook(engine):
-    def run(cfg):
-        data = [2]
-
-        def post_hook(opt, args, kwargs):
-            data[0] += 2
-
-        opt = make_offload(engine, [torch.tensor([1.0, 1.0]).to(dev(engine))], **copy.deepcopy(cfg.kwargs))
-        handle = opt.register_step_post_hook(post_hook)
-        opt.step()
-        opt.step()
-        assert data[0] == 6
-        handle.remove()
-        opt.step()
-        assert data[0] == 6
-    check_each_config(all_inputs(), run)
-
-
-@pytest.mark.parametrize("engine", ENGINE)
-def test_step_pre_hook(engine):
+@pytest.mark.parametrize("kind", ["pre", "post"])
+def test_step_hook(engine, kind):
+    """test_optim's test_step_pre_hook / test_step_post_hook: a hook runs at every step until removed."""
     def run(cfg):
         data = [5]
 
-        def pre_hook(opt, args, kwargs):
+        def hook(opt, args, kwargs):
             data[0] += 2
 
         opt = make_offload(engine, [torch.tensor([1.0, 1.0]).to(dev(engine))], **copy.deepcopy(cfg.kwargs))
-        handle = opt.register_step_pre_hook(pre_hook)
+        handle = (opt.register_step_pre_hook if kind == "pre" else opt.register_step_post_hook)(hook)
         opt.step()
         opt.step()
         assert data[0] == 9
@@ -750,12 +739,7 @@ def test_step_all_hooks(engine):
 @pytest.mark.parametrize("engine", ENGINE)
 def test_deepcopy_copies_all_public_attrs(engine):
     def run(cfg):
-        params = [Parameter(torch.randn(2, 3).to(dev(engine))) for _ in range(2)]
-        for p in params:
-            p.grad = torch.rand_like(p)
-        opt = make_offload(engine, params, **copy.deepcopy(cfg.kwargs))
-        for _ in range(3):
-            opt.step()
+        opt = two_params_stepped_thrice(engine, cfg)
         assert public_attrs(opt) == public_attrs(copy.deepcopy(opt))
     check_each_config(all_inputs(), run)
 
