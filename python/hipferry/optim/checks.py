@@ -7,10 +7,9 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from .state import local
+from .state import LOW_PRECISION, local
 
-LOW_PRECISION = (torch.float16, torch.bfloat16)
-# Real dtypes the fused kernels step (float64 steps with torch ops: optim/torch_step.py).
+# Real dtypes the fused kernels step (float64 steps with torch ops: layout.torch_ops_step).
 FUSED = (torch.float32,) + LOW_PRECISION
 REAL = FUSED + (torch.float64,)
 # Complex parameters step as their real view (torch does the same).
