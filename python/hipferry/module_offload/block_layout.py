@@ -11,6 +11,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from ..torch_private import module_parameters
+
 ALIGN_BYTES = 256  # each weight starts on a 256-byte boundary in a slot (vector loads, as torch's allocator)
 CONVERTIBLE = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -125,7 +127,7 @@ def plan_blocks(model: nn.Module, layers: List[nn.Module], host_dtype: Optional[
     refs: Dict[int, List[Tuple[nn.Module, str]]] = {}
     names: Dict[int, str] = {}
     for mod_name, m in model.named_modules(remove_duplicate=False):
-        for attr, p in m._parameters.items():
+        for attr, p in module_parameters(m).items():
             if p is None:
                 continue
             owners.setdefault(id(p), set()).add(owner_of_module.get(id(m), -1))
@@ -167,7 +169,7 @@ def release_host_buffers(blocks: List[Block]) -> None:
 def _unique_params(module: nn.Module) -> List[nn.Parameter]:
     seen, out = set(), []
     for m in module.modules():
-        for p in m._parameters.values():
+        for p in module_parameters(m).values():
             if p is not None and id(p) not in seen:
                 seen.add(id(p))
                 out.append(p)

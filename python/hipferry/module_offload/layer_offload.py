@@ -35,17 +35,20 @@ Note [offloaded blocks]
   model, stay on the device (``stats()["resident_shared"]``). Buffers stay on
   the device: forward may update them (BatchNorm statistics).
 """
-import weakref
-from typing import Any, Callable, List, Optional, Tuple
+from functools import partial
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from ..pool import PinnedPool
+from ..torch_private import (current_graph_task_id, in_backward, is_dtype_cast_node, module_parameters,
+                             queue_end_of_backward, tensor_base, tree_flatten)
 from ..trace import trace_region
 from .block_layout import Block, release_host_buffers
 from .grad_sink import GradSink
 from .layer_ring import LayerRing
+from .model_integration import ModelIntegration
 from .saved_hooks import Passed, current_hooks
 
 API = "hipferry.offload_layers"
@@ -96,18 +99,31 @@ class _WeightRef:
         self.owner._live[self.block] -= 1
 
 
+class _BlockRun:
+    """One block call in progress: what its pre-hook put in place."""
+    __slots__ = ("block", "slot", "saved", "hooks", "pass_owner", "trace")
+
+    def __init__(self, block: int, slot, saved, hooks, pass_owner: bool, trace=None):
+        self.block = block            # index of the block
+        self.slot = slot              # its pinned ring slot
+        self.saved = saved            # (parameter dict, name, what was there) to put back
+        self.hooks = hooks            # the saved_tensors_hooks entered for it, or None
+        self.pass_owner = pass_owner  # the block was called alone: its call is a model call
+        self.trace = trace            # its trace_region, entered
+
+
 class LayerOffload:
-    """Handle returned by :func:`offload_layers`: counters, and ``undo()``."""
+    """Handle returned by :func:`offload_layers`: counters, ``invalidate()``, ``undo()``."""
 
     def __init__(self, model: nn.Module, blocks: List[Block], shared: List[str], ring: LayerRing,
-                 prefetch: int, pool: PinnedPool, moved: List[Callable[[], None]]):
+                 prefetch: int, pool: PinnedPool, moved: List[Callable[[], None]], dtype: Optional[torch.dtype]):
         self.model, self.blocks, self.ring, self.prefetch, self.pool = model, blocks, ring, prefetch, pool
         self.device = ring.device
+        self.dtype = dtype                  # host dtype asked for (None: as the parameters)
         self.resident_shared = shared
         self._moved_back = moved
         # Gradients of about two blocks may be in flight to the host at once.
-        self._sink = GradSink(pool, 2 * ring.slot_bytes, self._weights_may_change)
-        self._stale = False             # a backward ended since the last model call (an optimizer may step)
+        self._sink = GradSink(pool, 2 * ring.slot_bytes, self._release_unpack_slot)
         self._unpack_slot = None        # slot of the last weight handed to backward (see _unpack)
         self._anchor = torch.zeros((), requires_grad=True)  # see _DeviceWeight
         self._saved_casts = 0           # autocast copies of weights saved as references
@@ -115,21 +131,39 @@ class LayerOffload:
         self._order = list(range(len(blocks)))  # blocks in call order of the last complete model call
         self._pass: Optional[List[int]] = None  # of the model call running now
         self._pos = 0
+        self._calls: List[int] = []     # id() of the hooked modules whose call is running (outside backward)
+        self._runs: List[_BlockRun] = []  # block calls in progress, innermost last
+        self._backward: Dict[int, _BlockRun] = {}  # graph task -> the block its backward is in
+        self._passes = 0                # model calls begun (each refreshes the resident copies)
         self._closed = False
-        self._hooks = [model.register_forward_pre_hook(self._pass_start),
-                       model.register_forward_hook(self._pass_end, always_call=True)]
-        self._forwards = []
+        self._hooks = []
+        self._integration = ModelIntegration(self)
+        for m in self._integration.callers:
+            self._hooks.append(m.register_forward_pre_hook(self._call_begins))
+            self._hooks.append(m.register_forward_hook(self._call_ends, always_call=True))
         for blk in blocks:
-            self._forwards.append(blk.module.__dict__.get("forward"))
-            blk.module.forward = self._wrap(blk.index, blk.module.forward)
-            blk.module._hipferry_offload = weakref.ref(self)
+            self._hooks.append(blk.module.register_forward_pre_hook(partial(self._block_begins, blk.index),
+                                                                    prepend=True))
+            self._hooks.append(blk.module.register_forward_hook(partial(self._block_ends, blk.index),
+                                                                always_call=True))
+        self._integration.install()
 
     # ------------------------------------------------------------ public
+    @classmethod
+    def of(cls, module: nn.Module) -> Optional["LayerOffload"]:
+        """The offload in effect on ``module`` (the model given to
+        :func:`offload_layers`, a module between it and the blocks, or a
+        block), or None."""
+        ref = module.__dict__.get("_hipferry_offload") if isinstance(module, nn.Module) else None
+        handle = ref() if ref is not None else None
+        return handle if handle is not None and not handle.closed else None
+
     def stats(self) -> dict:
         s = self.ring.stats
         return {"blocks": len(self.blocks), "ring_slots": len(self.ring.slots), "prefetch": self.prefetch,
                 "device_bytes": self.ring.device_bytes, "slot_bytes": self.ring.slot_bytes,
                 "host_bytes": sum(b.host_bytes for b in self.blocks),
+                "passes": self._passes,
                 "fetches": s.fetches, "prefetches": s.prefetches, "bytes_moved": s.bytes_moved,
                 "hits": s.hits, "late": s.late, "misses": s.misses, "stalls": s.stalls, "reused": s.reused,
                 "slot_reuses": s.slot_reuses, "grad_bytes_moved": self._sink.bytes_moved,
@@ -153,8 +187,9 @@ class LayerOffload:
         return self._closed
 
     def invalidate(self) -> None:
-        """Say that host weights changed in a way parameter versions do not show
-        (writes through ``.data`` or raw pointers): resident copies are refreshed."""
+        """Say "I changed the weights": no device copy made before this call is
+        used again. Needed only inside a model call (every model call, through
+        the model or any module inside it, starts from fresh copies anyway)."""
         self.ring.invalidate()
 
     def synchronize(self) -> None:
@@ -164,20 +199,20 @@ class LayerOffload:
 
     def undo(self) -> None:
         """Put every offloaded weight back where and in the dtype it was (with its
-        current value and gradient), restore the blocks' forward and the rest
-        of the model's placement, and free the ring and host buffers."""
+        current value and gradient), remove the hooks, restore the rest of the
+        model's placement, and free the ring and host buffers."""
         if self._closed:
             return
+        if self._runs:
+            raise RuntimeError(f"{API}: undo() called while block {self.blocks[self._runs[-1].block].name!r} "
+                               "is running; call it between model calls")
         self._release_unpack_slot()
+        for task in list(self._backward):
+            self._backward_ends(task)
         self.ring.synchronize()
         for h in self._hooks:
             h.remove()
-        for blk, fwd in zip(self.blocks, self._forwards):
-            if fwd is None:
-                blk.module.__dict__.pop("forward", None)
-            else:
-                blk.module.forward = fwd
-            blk.module.__dict__.pop("_hipferry_offload", None)
+        self._integration.uninstall()
         with torch.no_grad():
             for blk in self.blocks:
                 for e in blk.entries:
@@ -201,31 +236,46 @@ class LayerOffload:
                 f"{s['ring_slots']} x {s['slot_bytes']} bytes on {self.device}; hits {s['hits']}, "
                 f"stalls {s['stalls']})")
 
-    # ------------------------------------------------------------ prediction
-    def _weights_may_change(self) -> None:
-        self._stale = True
-        self._release_unpack_slot()
+    # ------------------------------------------------------------ model calls
+    @torch.compiler.disable
+    def _call_begins(self, module, args) -> None:
+        if not in_backward():
+            if not self._calls:
+                self._begin_pass()
+            self._calls.append(id(module))
 
+    @torch.compiler.disable
+    def _call_ends(self, module, args, output) -> None:
+        if not in_backward() and self._calls and self._calls[-1] == id(module):
+            self._calls.pop()
+            if not self._calls:
+                self._end_pass()
+
+    def _begin_pass(self) -> None:
+        """A model call from outside (through the model, a module inside it, or
+        a block alone): the host weights may have changed since the last one
+        (optimizer steps of any kind, writes through .data), so no resident copy
+        is used again."""
+        self._passes += 1
+        self._pass, self._pos = [], 0
+        self._sink.drop_stale()
+        self._release_unpack_slot()  # left by a backward that raised
+        for task in list(self._backward):
+            self._backward_ends(task)
+        self.ring.invalidate()
+        # The first blocks start copying while what precedes them (embeddings) runs.
+        self.ring.prefetch(self._order[:self.prefetch], self._order)
+
+    def _end_pass(self) -> None:
+        if self._pass:
+            self._order = self._pass
+        self._pass = None
+
+    # ------------------------------------------------------------ prediction
     def _release_unpack_slot(self) -> None:
         if self._unpack_slot is not None:
             self.ring.release(self._unpack_slot)
             self._unpack_slot = None
-
-    def _pass_start(self, module, args) -> None:
-        if torch._C._current_graph_task_id() == -1:
-            self._pass, self._pos = [], 0
-            self._sink.drop_stale()
-            self._release_unpack_slot()  # left by a backward that raised
-            if self._stale:  # copies made before the optimizer step are not reused
-                self._stale = False
-                self.ring.invalidate()
-            # The first blocks start copying while what precedes them (embeddings) runs.
-            self.ring.prefetch(self._order[:self.prefetch], self._order)
-
-    def _pass_end(self, module, args, output) -> None:
-        if self._pass:
-            self._order = self._pass
-        self._pass = None
 
     def _forward_future(self, b: int) -> List[int]:
         order = self._order
@@ -239,8 +289,8 @@ class LayerOffload:
         if j is None:
             return list(order)
         self._pos = j + 1
-        then = list(reversed(order)) if torch.is_grad_enabled() else list(order)
-        return order[j + 1:] + then
+        # With grad, backward follows in reverse; without, the next call starts from fresh copies.
+        return order[j + 1:] + (list(reversed(order)) if torch.is_grad_enabled() else [])
 
     def _backward_future(self, b: int) -> List[int]:
         rev = list(reversed(self._order))
@@ -260,58 +310,125 @@ class LayerOffload:
         rest = [x for x in order[j + 1:] if self._live[x] > 0 or not waiting]
         return rest + self._backward_future(b)
 
-    # ------------------------------------------------------------ running a block
-    def _wrap(self, b: int, fwd: Callable) -> Callable:
-        def forward(*args, **kwargs):
-            return self._run(b, fwd, args, kwargs)
-        forward.__wrapped__ = fwd
-        return forward
-
+    # ------------------------------------------------------------ a block's forward
     def _check_entries(self, blk: Block) -> None:
         for e in blk.entries:
             p = e.param
             if p.device.type != "cpu" or p.data_ptr() != e.host_ptr:
                 raise RuntimeError(f"{API}: parameter {e.name!r} was moved or replaced after offload_layers "
-                                   "(e.g. by model.to() or assigning .data); call handle.undo() first")
+                                   "(e.g. by assigning .data); call handle.undo() first")
 
-    def _run(self, b: int, fwd: Callable, args: tuple, kwargs: dict) -> Any:
+    def _put_in_place(self, blk: Block, slot, grad: bool) -> list:
+        """Device tensors of `slot` in the block's parameter slots; returns what was there."""
+        tensors = self.ring.tensors(blk.index, slot)
+        if grad:
+            tensors = [_DeviceWeight.apply(self._anchor, _Box(t), self._sink, e, (blk.index, i))
+                       if e.param.requires_grad else t for i, (e, t) in enumerate(zip(blk.entries, tensors))]
+        saved = []
+        for e, t in zip(blk.entries, tensors):
+            for m, attr in e.refs:
+                params = module_parameters(m)
+                saved.append((params, attr, params[attr]))
+                params[attr] = t
+        return saved
+
+    @staticmethod
+    def _put_back(saved: list) -> None:
+        for params, attr, old in reversed(saved):
+            params[attr] = old
+
+    @torch.compiler.disable
+    def _block_begins(self, b: int, module, args) -> None:
         if self._closed:
             raise RuntimeError(f"{API}: this offload was undone; the block runs unmodified")
         blk = self.blocks[b]
         self._check_entries(blk)
-        in_backward = torch._C._current_graph_task_id() != -1  # recomputation by activation checkpointing
-        future = self._recompute_future(b) if in_backward else self._forward_future(b)
+        backward = in_backward()  # recomputation by activation checkpointing
+        owner = not backward and not self._calls  # a block called alone is a model call of its own
+        if owner:
+            self._begin_pass()
+            self._calls.append(id(module))
+        future = self._recompute_future(b) if backward else self._forward_future(b)
         slot = self.ring.acquire(b, future, self.prefetch, pin=True)
+        hooks = None
         try:
-            tensors = self.ring.tensors(b, slot)
-            grad_mode = torch.is_grad_enabled()
-            if grad_mode:
-                tensors = [_DeviceWeight.apply(self._anchor, _Box(t), self._sink, e, (b, i)) if e.param.requires_grad
-                           else t for i, (e, t) in enumerate(zip(blk.entries, tensors))]
-            for e, t in zip(blk.entries, tensors):
-                for m, attr in e.refs:
-                    m._parameters[attr] = t
-            try:
-                with trace_region(blk.name, track="offload_layers blocks"):
-                    if not grad_mode:
-                        return fwd(*args, **kwargs)
-                    outer = current_hooks()
-                    versions = self.ring._versions(b)
-                    with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(outer, versions, t),
-                                                                  self._unpack):
-                        return fwd(*args, **kwargs)
-            finally:
-                for e in blk.entries:
-                    for m, attr in e.refs:
-                        m._parameters[attr] = e.param
-        finally:
+            grad = torch.is_grad_enabled()
+            saved = self._put_in_place(blk, slot, grad)
+            if grad:
+                versions = self.ring._versions(b)
+                outer = current_hooks()
+                hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(outer, versions, t),
+                                                                 self._unpack)
+                hooks.__enter__()
+        except BaseException:
             self.ring.release(slot)
+            raise
+        trace = trace_region(blk.name, track="offload_layers blocks")
+        trace.__enter__()
+        self._runs.append(_BlockRun(b, slot, saved, hooks, owner, trace))
 
+    @torch.compiler.disable
+    def _block_ends(self, b: int, module, args, output) -> Any:
+        if not self._runs or self._runs[-1].block != b:
+            return None  # its pre-hook did not run (a hook before it raised)
+        run = self._runs.pop()
+        run.trace.__exit__(None, None, None)
+        try:
+            if run.hooks is not None:
+                run.hooks.__exit__(None, None, None)
+            self._put_back(run.saved)
+        finally:
+            self.ring.release(run.slot)
+            if run.pass_owner and self._calls and self._calls[-1] == id(module):
+                self._calls.pop()
+                self._end_pass()
+        if output is not None and torch.is_grad_enabled():
+            outs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            if outs:
+                # The block's backward starts when the first gradient of an output arrives (FSDP2's
+                # pre-backward): its weights are put in place again for what recomputes it there.
+                torch.autograd.graph.register_multi_grad_hook(outs, partial(self._backward_begins, b), mode="any")
+        return None
+
+    # ------------------------------------------------------------ a block's backward
+    def _backward_begins(self, b: int, grad) -> None:
+        """Backward reached block b: its weights go into its parameter slots for
+        as long as its backward runs, so activation checkpointing of any kind --
+        also one that recomputes the block's class forward without calling the
+        module (transformers' GradientCheckpointingLayer) -- reads ring weights."""
+        if self._closed:
+            raise RuntimeError(f"{API}: backward needs weights of block {self.blocks[b].name!r}, "
+                               "but the offload was undone after forward")
+        task = current_graph_task_id()
+        if task in self._backward:
+            self._backward_ends(task)  # the block after it in forward is done
+        else:
+            queue_end_of_backward(partial(self._backward_ends, task))
+        # The node that handed this gradient over has run: the last unpacked weight's pin goes.
+        self._release_unpack_slot()
+        blk = self.blocks[b]
+        slot = self.ring.acquire(b, self._backward_future(b), self.prefetch, pin=True)
+        try:
+            with torch.enable_grad():  # what recomputes the block must save what its forward saved
+                saved = self._put_in_place(blk, slot, grad=True)
+        except BaseException:
+            self.ring.release(slot)
+            raise
+        self._backward[task] = _BlockRun(b, slot, saved, None, False)
+
+    def _backward_ends(self, task: int) -> None:
+        run = self._backward.pop(task, None)
+        if run is not None:
+            self._put_back(run.saved)
+            self.ring.release(run.slot)
+
+    # ------------------------------------------------------------ saved weights
     def _pack(self, outer, versions: Tuple[int, ...], t: torch.Tensor) -> Any:
         slot = self.ring.slot_of(t)
         if slot is not None and slot.block is not None:
             return _WeightRef(self, slot.block, t, versions)
-        source = self._cast_source(t if t._base is None else t._base)
+        base = tensor_base(t)
+        source = self._cast_source(t if base is None else base)
         if source is not None:
             b, i = source
             self._saved_casts += 1
@@ -322,7 +439,7 @@ class LayerOffload:
         """(block, entry) when `t` is a whole-weight dtype copy of a ring weight
         (autocast's cast before a matmul), else None."""
         fn = t.grad_fn
-        if fn is None or type(fn).__name__ != "ToCopyBackward0" or not fn.next_functions:
+        if not is_dtype_cast_node(fn) or not fn.next_functions:
             return None
         src = fn.next_functions[0][0]
         if getattr(src, "sink", None) is not self._sink:
@@ -339,16 +456,22 @@ class LayerOffload:
             raise RuntimeError(f"{API}: backward needs weights of block {self.blocks[obj.block].name!r}, "
                                "but the offload was undone after forward")
         if self.ring._versions(obj.block) != obj.versions:
+            for task in list(self._backward):  # this backward ends here: the host parameters go back
+                self._backward_ends(task)
             raise RuntimeError(f"{API}: a weight of block {self.blocks[obj.block].name!r} that backward needs "
                                "was modified in place after forward (an optimizer step before backward?)")
-        # The slot stays pinned until the next weight is handed out: the node that
-        # unpacks this one may first unpack an input whose recomputation (activation
-        # checkpointing) runs other blocks through the ring.
-        # The previous weight's node has queued its work by now (one node unpacks
-        # weights of one block), so its pin goes first: a one-slot ring can train.
-        self._release_unpack_slot()
-        slot = self.ring.acquire(obj.block, self._backward_future(obj.block), self.prefetch, pin=True)
-        self._unpack_slot = slot
+        run = self._backward.get(current_graph_task_id())
+        if run is not None and run.block == obj.block and self.ring._valid(run.slot):
+            slot = run.slot  # pinned for the block's whole backward
+        else:
+            # The slot stays pinned until the next weight is handed out: the node that
+            # unpacks this one may first unpack an input whose recomputation (activation
+            # checkpointing) runs other blocks through the ring.
+            # The previous weight's node has queued its work by now (one node unpacks
+            # weights of one block), so its pin goes first: a one-slot ring can train.
+            self._release_unpack_slot()
+            slot = self.ring.acquire(obj.block, self._backward_future(obj.block), self.prefetch, pin=True)
+            self._unpack_slot = slot
         t = torch.empty(0, dtype=obj.dtype, device=self.device)
         t.set_(slot.storage.untyped_storage(), obj.offset, obj.size, obj.stride)
         if obj.cast is None:

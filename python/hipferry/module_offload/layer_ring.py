@@ -34,6 +34,7 @@ from typing import Any, Deque, Dict, Iterable, List, Optional, Tuple
 import torch
 
 from ..ops import copy_cast_
+from ..torch_private import tensor_version
 from .block_layout import Block
 
 LOG_LENGTH = 4096  # fetch/use events kept for inspection
@@ -214,7 +215,7 @@ class LayerRing:
 
     # ------------------------------------------------------------ inside
     def _versions(self, b: int) -> Tuple[int, ...]:
-        return tuple(e.param._version for e in self.blocks[b].entries)
+        return tuple(tensor_version(e.param) for e in self.blocks[b].entries)
 
     def _valid(self, slot: Slot) -> bool:
         return slot.generation == self.generation and slot.versions == self._versions(slot.block)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..pool import PinnedPool, default_pool
+from ..torch_private import module_buffers, module_parameters
 from ..transfer import _resolve_device as resolve_device
 from .block_layout import check_layers, default_layers, plan_blocks, release_host_buffers
 from .layer_offload import API, LayerOffload
@@ -53,7 +54,7 @@ def _move_rest_into(model: nn.Module, offloaded: set, device: torch.device, undo
     seen = set()
     with torch.no_grad():
         for m in model.modules():
-            for attr, p in m._parameters.items():
+            for attr, p in module_parameters(m).items():
                 if p is None or id(p) in offloaded or id(p) in seen or p.device == device:
                     continue
                 seen.add(id(p))
@@ -69,11 +70,35 @@ def _move_rest_into(model: nn.Module, offloaded: set, device: torch.device, undo
                     if had_grad and g is not None:
                         p.grad = g.to(old_device)
                 undo.append(back)
-            for attr, buf in list(m._buffers.items()):
+            bufs = module_buffers(m)
+            for attr, buf in list(bufs.items()):
                 if buf is None or buf.device == device:
                     continue
-                m._buffers[attr] = buf.to(device)
-                undo.append(lambda m=m, attr=attr, d=buf.device: m._buffers.__setitem__(attr, m._buffers[attr].to(d)))
+                bufs[attr] = buf.to(device)
+                undo.append(lambda bufs=bufs, attr=attr, d=buf.device: bufs.__setitem__(attr, bufs[attr].to(d)))
+
+
+def _check_materialized(model: nn.Module) -> None:
+    """Weights hipferry can copy: real ones, placed by nobody else (before any change)."""
+    for name, m in model.named_modules():
+        if hasattr(m, "_hf_hook"):
+            raise ValueError(
+                f"{API}: module {name or type(m).__name__!r} has accelerate hooks ({type(m._hf_hook).__name__}: "
+                "device_map / cpu_offload / disk_offload place its weights already); remove them with "
+                "accelerate.hooks.remove_hook_from_module(model, recurse=True) -- after loading the weights on "
+                "the host, e.g. from_pretrained(..., device_map='cpu') or without device_map -- then call "
+                "offload_layers")
+    for name, p in model.named_parameters():
+        if p.is_meta:
+            raise ValueError(
+                f"{API}: parameter {name!r} is on the meta device: it has no values to offload (the model was "
+                "built under accelerate.init_empty_weights(), or loaded with device_map and offloaded or "
+                "skipped weights). Load the real weights on the host first, e.g. from_pretrained(..., "
+                "device_map='cpu') or model.to_empty(device='cpu') followed by load_state_dict(...)")
+    for name, b in model.named_buffers():
+        if b.is_meta:
+            raise ValueError(f"{API}: buffer {name!r} is on the meta device; materialize the model on the host "
+                             "(model.to_empty(device='cpu') and load its state) before offload_layers")
 
 
 def offload_layers(model: nn.Module, *, prefetch: int = 2, layers: Optional[Sequence[nn.Module]] = None,
@@ -107,6 +132,7 @@ def offload_layers(model: nn.Module, *, prefetch: int = 2, layers: Optional[Sequ
     if not isinstance(pool, PinnedPool):
         raise TypeError(f"{API}: pool must be a hipferry.PinnedPool or None, got {type(pool).__name__}")
     pool._open_id("offload_layers")
+    _check_materialized(model)
     dev = _resolve_device(model, device)
     chosen = default_layers(model) if layers is None else check_layers(model, layers)
     for i, m in enumerate(chosen):
@@ -164,4 +190,4 @@ def offload_layers(model: nn.Module, *, prefetch: int = 2, layers: Optional[Sequ
             e.host_ptr = v.data_ptr()
             if grad is not None:
                 p.grad = grad.to(device="cpu", dtype=e.host_dtype)
-    return LayerOffload(model, blocks, shared, ring, prefetch, pool, moved)
+    return LayerOffload(model, blocks, shared, ring, prefetch, pool, moved, dtype)
