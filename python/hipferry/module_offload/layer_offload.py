@@ -5,10 +5,26 @@ Note [offloaded blocks]
 * The user's ``nn.Parameter`` objects stay the parameters: their ``.data``
   becomes a view of the block's pinned host buffer (in ``dtype`` if given).
   Optimizers, ``state_dict`` and ``load_state_dict`` see host tensors.
-* Each block's ``forward`` is wrapped (an instance attribute, as accelerate
-  does): it acquires the block's ring slot (see Note [layer ring]), puts fresh
-  device tensors of the slot in the place of the parameters for the call, and
-  puts the parameters back afterwards (also on an exception).
+* Forward pre- and post-hooks on each block, as FSDP2 does (not a wrapped
+  ``forward``: every call through ``nn.Module.__call__`` passes them): the
+  pre-hook acquires the block's ring slot (see Note [layer ring]) and puts
+  fresh device tensors of the slot in the block's parameter slots; the
+  post-hook (``always_call``: also after an exception) puts the parameters
+  back, releases the slot, and registers the block's backward start on its
+  outputs (``register_multi_grad_hook``, FSDP2's pre-backward).
+* When backward reaches a block, its device tensors go into its parameter
+  slots again until the backward of the block before it begins (or the
+  backward ends): activation checkpointing of any kind recomputes the block
+  from ring weights -- also one that reruns the class ``forward`` without
+  calling the module (transformers' ``GradientCheckpointingLayer``). After a
+  backward that raised, the host parameters are back at the next model call
+  or ``undo()``.
+* Model calls: a call of the model, of any module between it and the blocks,
+  or of a block alone (see Note [offloaded model integration]) starts from
+  fresh copies: host weights may have changed between calls in ways no
+  version shows (optimizer steps that bump none, e.g. fused AdamW, writes
+  through ``.data`` as PEFT's merge does). Within a call, parameter versions
+  decide (see Note [layer ring]); ``invalidate()`` is "I changed the weights".
 * With grad enabled, each device tensor comes from ``_DeviceWeight``, whose
   backward sends the weight gradient device->host (``hipferry.offload``, on the
   copy stream, into the pool) as soon as backward produces it; at the end of
@@ -16,8 +32,8 @@ Note [offloaded blocks]
   ``.grad`` on the host -- summed in arrival order, then added once, as
   autograd's AccumulateGrad does -- and post-accumulate-grad hooks run
   (grad_sink.py). So an optimizer (OffloadAdamW's CPU step, or any CPU
-  optimizer) steps the host weights in place. ``torch.autograd.grad`` with the host parameters as
-  inputs is not supported (they get no gradient through it).
+  optimizer) steps the host weights in place. ``torch.autograd.grad`` with the
+  host parameters as inputs is not supported (they get no gradient through it).
 * Weights that autograd saves for backward are not kept: a saved-tensor hook
   recognizes views of ring slots -- and autocast's copies of a whole weight in
   another dtype (the cast's grad_fn leads to ``_DeviceWeight``; weights that
@@ -25,15 +41,18 @@ Note [offloaded blocks]
   backward brings the block in again, prefetching in reverse order the blocks
   that still have saved weights. Other saved tensors go to the hooks outside
   (activation checkpointing, ``offload_activations``), see saved_hooks.py.
-* Resident copies are not reused after a backward has ended (the optimizer
-  steps then): the next model call refreshes them. Within a call, parameter
-  versions decide (see Note [layer ring]).
-* Prediction: the block order of the last complete call of the model (list
-  order before one) -- forward continues along it (then wraps around for the
-  next call without grad, or turns back for backward with grad).
+* Prediction: the block order of the last complete model call (list order
+  before one) -- forward continues along it (then turns back for backward
+  with grad).
 * Parameters shared between blocks, or between a block and the rest of the
   model, stay on the device (``stats()["resident_shared"]``). Buffers stay on
   the device: forward may update them (BatchNorm statistics).
+* torch.compile: the hooks are ``torch.compiler.disable``d -- they run
+  eagerly at the graph breaks around each block call; the blocks' forwards
+  compile once for all blocks (their parameters are graph inputs).
+* Not covered: calling a block's ``forward`` directly from outside backward
+  (not through ``module(...)``) sees the host parameters; on a GPU torch
+  then raises its device-mismatch error.
 """
 from functools import partial
 from typing import Any, Callable, Dict, List, Optional, Tuple

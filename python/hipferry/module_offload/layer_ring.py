@@ -21,8 +21,8 @@ Note [layer ring]
   refilled.
 * A resident block is reused without copying only while its host weights are
   unchanged: same parameter versions and no ``invalidate()`` since the copy
-  (the offload calls it after every backward, when optimizers step, and users
-  call it after writing weights through ``.data``).
+  (the offload calls it at the start of every model call; users may call it
+  after writing weights through ``.data`` inside one).
 * Not thread-safe; used from the thread running forward and the autograd
   thread, one at a time (the GIL and autograd's ordering serialize them).
 """
