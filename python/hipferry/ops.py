@@ -1,6 +1,8 @@
 """Thin Python wrappers over torch.ops.hipferry (the schemas live in csrc/torch/ops.cpp)."""
 import torch
 
+from .torch_private import neg_view
+
 
 def copy_cast_(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """Write ``src`` converted to ``dst.dtype`` into ``dst`` and return ``dst``.
@@ -75,11 +77,11 @@ def _copy_cast_fake(dst: torch.Tensor, src: torch.Tensor) -> None:
     _check_shape_dtype_contiguous(dst, src)
 
 
-# Tensors with torch's conjugate / negative bit (x.conj(), torch._neg_view(x), x.conj().imag) meet these
+# Tensors with torch's conjugate / negative bit (x.conj(), neg_view(x), x.conj().imag) meet these
 # kernels before any other. Without them torch's MathBitsFallback would handle them, and for a MUTATED
 # argument of an op that returns nothing (as this one) the fallback reads and writes the dispatcher stack
 # past its end after the call (it expects the op to return the argument it mutated): heap corruption
-# ("malloc(): unsorted double linked list corrupted") for copy_cast_(x, x) with x = torch._neg_view(t),
+# ("malloc(): unsorted double linked list corrupted") for copy_cast_(x, x) with x = neg_view(t),
 # "Expected Tensor but got None" with the fake kernel. Here the bit moves from dst to src: writing v into
 # conj(d) / -d stores conj(v) / -v into d (negation commutes with round-to-nearest-even), and src is then
 # materialized by torch, as the fallback would do (torch's negation may quiet a signalling NaN).
@@ -91,7 +93,7 @@ def _copy_cast_math_bits(dst: torch.Tensor, src: torch.Tensor) -> None:
     if dst.is_conj():
         dst, src = dst.conj(), src.conj()
     if dst.is_neg():
-        dst, src = torch._neg_view(dst), torch._neg_view(src)
+        dst, src = neg_view(dst), neg_view(src)
     torch.ops.hipferry.copy_cast_.default(dst, src.resolve_conj().resolve_neg())
 
 

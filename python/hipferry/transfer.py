@@ -1,20 +1,34 @@
 """Asynchronous host<->device transfers: ``prefetch``, ``offload`` and the ``Transfer`` handle.
 
 The engine is C++ (csrc/torch/transfer_engine.h has the design note); this
-module maps the caller's structure (a tensor, or nested lists / tuples / dicts
-of tensors) to a flat list and back, resolves devices and pools, and names the
-offending argument in errors.
+module maps the caller's structure (a tensor, or tensors in nested containers:
+see Note [transfer structures]) to a flat list and back, resolves devices and
+pools, and names the offending argument in errors.
+
+Note [transfer structures]
+~~~~~~~~~~~~~~~~~~~~~~~~~~
+* The containers walked are torch's pytree containers (tuple, list, dict,
+  namedtuple, OrderedDict, defaultdict, deque, and what libraries register
+  with it, e.g. transformers' ModelOutput) and any ``collections.abc.Mapping``
+  (``collections.UserDict``, a tokenizer's ``transformers.BatchEncoding``, a
+  dict subclass): a tokenizer's output goes in as it is.
+* ``wait()`` gives the same structure back, with the same container types
+  where pytree rebuilds them. A Mapping that pytree does not know comes back
+  as ``type(m)(d)``, ``d`` the dict of the results in ``m``'s key order, when
+  that builds a Mapping holding exactly those items (UserDict, BatchEncoding
+  -- without its ``encodings`` --, dict subclasses); else as ``d`` itself.
 """
 import atexit
 import os
 import re
-from typing import Any, Optional, Union
+from collections.abc import Mapping
+from typing import Any, List, Optional, Tuple, Union
 
 import torch
-from torch.utils import _pytree as pytree
 
 from . import _C
 from .pool import PinnedPool, default_pool
+from .torch_private import register_mapping_node, tree_flatten, tree_is_leaf, tree_leaf_paths, tree_unflatten
 
 Device = Union[str, int, torch.device]
 
@@ -38,7 +52,7 @@ class Transfer:
         self._api = api
 
     def wait(self) -> Any:
-        return pytree.tree_unflatten(self._native.wait(), self._spec)
+        return tree_unflatten(self._native.wait(), self._spec)
 
     def ready(self) -> bool:
         return self._native.ready()
@@ -66,17 +80,65 @@ class Transfer:
                 f"{state})")
 
 
-def _flatten(tensors: Any, api: str):
-    leaves, spec = pytree.tree_flatten(tensors)
-    for path, leaf in pytree.tree_flatten_with_path(tensors)[0]:
+class _AnyMapping:
+    """A Mapping that pytree does not know, as pytree walks it (see Note
+    [transfer structures]); hipferry's own class, so registering it changes
+    nothing for other users of pytree."""
+
+    __slots__ = ("cls", "keys", "values")
+
+    def __init__(self, cls: type, keys: List[Any], values: List[Any]):
+        self.cls, self.keys, self.values = cls, keys, values
+
+    @staticmethod
+    def rebuild(values: List[Any], context: Tuple[type, List[Any]]) -> Any:
+        cls, keys = context
+        d = dict(zip(keys, values))
+        try:
+            m = cls(d)
+        except Exception:  # a constructor that takes no dict: the items as a dict
+            return d
+        same = isinstance(m, Mapping) and list(m.keys()) == keys and all(m[k] is v for k, v in d.items())
+        return m if same else d
+
+
+register_mapping_node(_AnyMapping, lambda m: (m.keys, m.values, (m.cls, m.keys)), _AnyMapping.rebuild)
+
+
+def _unknown_mapping(x: Any) -> bool:
+    return isinstance(x, Mapping) and tree_is_leaf(x)
+
+
+def _walkable(tree: Any) -> Any:
+    """`tree` with each Mapping that pytree does not know, at any depth, as an
+    _AnyMapping; `tree` itself when there is none."""
+    if _unknown_mapping(tree):
+        keys = list(tree.keys())
+        return _AnyMapping(type(tree), keys, [_walkable(tree[k]) for k in keys])
+    leaves, spec = tree_flatten(tree, is_leaf=_unknown_mapping)
+    if not any(_unknown_mapping(leaf) for leaf in leaves):
+        return tree
+    return tree_unflatten([_walkable(leaf) if _unknown_mapping(leaf) else leaf for leaf in leaves], spec)
+
+
+def _flatten(tensors: Any, api: str) -> Tuple[List[torch.Tensor], Any, Any]:
+    """Leaves, structure and the tree pytree walked (for the leaves' places,
+    "tensors['w'][1]"); raises naming the first leaf that is not a plain tensor."""
+    tree = tensors
+    leaves, spec = tree_flatten(tree, is_leaf=_unknown_mapping)
+    if any(_unknown_mapping(leaf) for leaf in leaves):  # (else one walk is all it takes)
+        tree = _walkable(tensors)
+        leaves, spec = tree_flatten(tree)
+    bad = [i for i, leaf in enumerate(leaves) if not isinstance(leaf, torch.Tensor) or leaf.is_nested]
+    paths = ["tensors" + p for p in tree_leaf_paths(tree)] if bad else None  # (paths only when needed: cost)
+    for i in bad:
+        leaf = leaves[i]
         if not isinstance(leaf, torch.Tensor):
-            where = "tensors" + pytree.keystr(path)
-            raise TypeError(f"{api}: {where} is of type {type(leaf).__name__}; expected a tensor, or a list / tuple / "
-                            "dict of tensors")
-        if leaf.is_nested:  # layout strided (or jagged); the engine would stop at an internal error about sizes
-            where = "tensors" + pytree.keystr(path)
-            raise ValueError(f"{api}: {where} is a nested tensor; expected plain dense tensors (move its components)")
-    return leaves, spec
+            raise TypeError(f"{api}: {paths[i]} is of type {type(leaf).__name__}; expected a tensor, or tensors in "
+                            "(nested) lists / tuples / dicts / Mappings")
+        # layout strided (or jagged); the engine would stop at an internal error about sizes
+        raise ValueError(f"{api}: {paths[i]} is a nested tensor; expected plain dense tensors (move its components)")
+    return leaves, spec, tree
 
 
 def _resolve_device(device: Device, api: str) -> torch.device:
@@ -107,17 +169,17 @@ def _check_dtype(dtype: Optional[torch.dtype], api: str) -> None:
 
 def _start(api: str, start: Any, tensors: Any, *args: Any) -> Transfer:
     _apply_env()
-    leaves, spec = _flatten(tensors, api)
+    leaves, spec, tree = _flatten(tensors, api)
     try:
         native = start(leaves, *args)
     except (ValueError, TypeError) as e:
         # The engine names flat positions; say where they are in the caller's structure.
-        raise type(e)(_rename_positions(str(e), tensors)) from None
+        raise type(e)(_rename_positions(str(e), tree)) from None
     return Transfer(native, spec, api)
 
 
-def _rename_positions(message: str, tensors: Any) -> str:
-    paths = ["tensors" + pytree.keystr(p) for p, _ in pytree.tree_flatten_with_path(tensors)[0]]
+def _rename_positions(message: str, tree: Any) -> str:
+    paths = ["tensors" + p for p in tree_leaf_paths(tree)]
     # One pass: a replacement must not be rewritten by a later one.
     return re.sub(r"tensors\[(\d+)\]", lambda m: paths[int(m[1])] if int(m[1]) < len(paths) else m[0], message)
 
@@ -126,7 +188,9 @@ def prefetch(tensors: Any, device: Device, *, dtype: Optional[torch.dtype] = Non
              pool: Optional[PinnedPool] = None) -> Transfer:
     """Start moving host tensors to ``device``; returns a :class:`Transfer` at once.
 
-    ``tensors``: a tensor or (nested) list / tuple / dict of CPU tensors.
+    ``tensors``: a tensor, or CPU tensors in (nested) lists, tuples, dicts,
+    any Mapping (a tokenizer's output) and what torch's pytree walks; ``wait()``
+    returns the same structure (Note [transfer structures]).
     ``device``: ``"cuda"``, ``"cuda:N"``, an int, a ``torch.device`` or ``"cpu"``.
     ``dtype``: convert on the way (float32 / float16 / bfloat16, fused with the
     copy: no temporary in the source dtype on the device); ``None`` keeps it.
@@ -152,10 +216,10 @@ def prefetch(tensors: Any, device: Device, *, dtype: Optional[torch.dtype] = Non
 def offload(tensors: Any, *, dtype: Optional[torch.dtype] = None, pool: Optional[PinnedPool] = None) -> Transfer:
     """Start moving device tensors into pinned host memory from ``pool``; returns a :class:`Transfer`.
 
-    All tensors must be on one GPU (CPU tensors are copied on the worker
-    thread). Small tensors are written by one kernel; large ones by one copy
-    each, on hipferry's device->host stream, after the work already queued on
-    the current stream. ``wait()`` blocks the calling thread until the host
+    ``tensors``: as for :func:`prefetch`. All tensors must be on one GPU (CPU
+    tensors are copied on the worker thread). Small tensors are written by one
+    kernel; large ones by one copy each, on hipferry's device->host stream,
+    after the work already queued on the current stream. ``wait()`` blocks the calling thread until the host
     copies are complete and returns pool tensors.
     """
     api = "hipferry.offload"

@@ -4,6 +4,7 @@ import os
 import re
 import subprocess
 import sys
+from collections import UserDict
 
 import pytest
 import torch
@@ -50,6 +51,16 @@ def test_non_tensor_leaf_names_its_place(direction):
     ok = torch.ones(3)
     check_rejected(lambda: start(direction, {"a": ok, "b": [ok, 3]}, "cpu"), TypeError, [r"b.*1", r"[Tt]ensor"], [ok])
     check_rejected(lambda: start(direction, "weights", "cpu"), TypeError, [r"[Tt]ensor"], [])
+
+
+def test_bad_leaf_in_a_mapping_names_its_place(direction):
+    # Mappings that pytree does not know (a tokenizer's output is a UserDict) are walked
+    # like dicts: a bad leaf in one is named by its keys, and nothing starts.
+    ok = torch.ones(3)
+    check_rejected(lambda: start(direction, UserDict(a=ok, b={"c": [ok, "text"]}), "cpu"), TypeError,
+                   [re.escape("tensors['b']['c'][1] is of type str; expected a tensor"), r"Mapping"], [ok])
+    check_rejected(lambda: start(direction, [ok, UserDict(ids=ok, mask=ok.to_sparse())], "cpu"), ValueError,
+                   [re.escape("tensors[1]['mask'] has layout")], [ok])
 
 
 def test_error_names_the_right_place_in_a_nested_structure():

@@ -1,6 +1,9 @@
-"""Transfers: values arrive exactly -- every dtype, fused conversions, structures, views, sizes and
-sources (spec: docs/transfer-engine-plan.md, "The Python API (issue 4)")."""
+"""Transfers: values arrive exactly -- every dtype, fused conversions, structures (any Mapping too:
+Note [transfer structures] in transfer.py), views, sizes and sources (spec:
+docs/transfer-engine-plan.md, "The Python API (issue 4)")."""
 import re
+from collections import OrderedDict, UserDict, namedtuple
+from collections.abc import Mapping
 
 import pytest
 import torch
@@ -43,6 +46,94 @@ def test_structure_is_kept(device, direction, pool):
     for empty in ([], {}, ()):
         e = start(direction, empty, device)
         assert e.num_tensors == 0 and e.nbytes == 0 and e.wait() == empty
+
+
+class ReadOnlyMapping(Mapping):
+    """A Mapping (not a dict) that pytree does not know, built from a dict."""
+
+    def __init__(self, data):
+        self._data = dict(data)
+
+    def __getitem__(self, key):
+        return self._data[key]
+
+    def __iter__(self):
+        return iter(self._data)
+
+    def __len__(self):
+        return len(self._data)
+
+
+class KeywordsOnlyMapping(ReadOnlyMapping):
+    """A Mapping whose constructor takes no dict: comes back as a dict."""
+
+    def __init__(self, **items):
+        super().__init__(items)
+
+
+class DictSubclass(dict):
+    pass
+
+
+Pair = namedtuple("Pair", "first second")
+
+
+def check_structure(direction, device, got, want, pool):
+    """Same container types, keys in the same order and the same values (want's tensors on the host)."""
+    assert type(got) is type(want), f"{type(got).__name__} instead of {type(want).__name__}"
+    if isinstance(want, torch.Tensor):
+        return check_result(direction, device, got, want, pool)
+    if isinstance(want, Mapping):
+        assert list(got.keys()) == list(want.keys())
+        pairs = [(got[k], want[k]) for k in want]
+    else:
+        assert len(got) == len(want)
+        pairs = zip(got, want)
+    for g, w in pairs:
+        check_structure(direction, device, g, w, pool)
+
+
+def source_side(direction, device):
+    """Where `direction` reads its sources: the host for prefetch, `device` for offload."""
+    return "cpu" if direction == "prefetch" else device
+
+
+def mixed_structure(where):
+    """Ten tensors on `where` in Mappings that pytree does not know, at the top and nested, among the
+    containers it does know."""
+    t = lambda n: random_tensor((n, 3), torch.float32, seed=n).to(where)  # noqa: E731
+    return {"user_dict": UserDict(z=t(1), a=[t(2), (t(3),)]),
+            "mapping": ReadOnlyMapping({"b": t(4), "a": Pair(t(5), OrderedDict(y=t(6), x=t(7)))}),
+            "dict_subclass": DictSubclass(k=t(8)),
+            "nested": [UserDict(inner=ReadOnlyMapping({"deep": (t(9), [t(10)])}))]}
+
+
+def test_any_mapping_and_nested_containers_keep_their_types(device, direction, pool):
+    host, sources = mixed_structure("cpu"), mixed_structure(source_side(direction, device))
+    transfer = start(direction, sources, device, pool=pool)
+    assert transfer.num_tensors == 10
+    check_structure(direction, device, transfer.wait(), host, pool)
+    for key in ("user_dict", "mapping", "dict_subclass"):  # each at the top level too
+        check_structure(direction, device, start(direction, sources[key], device, pool=pool).wait(), host[key], pool)
+
+
+def test_mapping_that_cannot_be_rebuilt_comes_back_as_a_dict(device, direction, pool):
+    src = random_tensor((5,), torch.int64, seed=1)
+    there = src.to(source_side(direction, device))
+    out = start(direction, KeywordsOnlyMapping(b=there, a=[there]), device, pool=pool).wait()
+    check_structure(direction, device, out, {"b": src, "a": [src]}, pool)
+
+
+def test_tokenizer_batch_encoding(device, direction, pool):
+    transformers = pytest.importorskip("transformers")
+    ids = torch.randint(0, 30000, (2, 7), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 7, dtype=torch.int64)
+    where = source_side(direction, device)
+    batch = transformers.BatchEncoding({"input_ids": ids.to(where), "attention_mask": mask.to(where)})
+    out = start(direction, batch, device, pool=pool).wait()
+    check_structure(direction, device, out, transformers.BatchEncoding({"input_ids": ids, "attention_mask": mask}),
+                    pool)
+    assert out.input_ids is out["input_ids"]  # BatchEncoding's own attribute access works on the result
 
 
 def test_views_and_non_contiguous_sources_arrive_contiguous(device):

@@ -21,6 +21,7 @@ import torch
 from . import Context, SuiteResult, suite
 from .. import _C
 from ..pool import PinnedPool
+from ..torch_private import host_empty_cache
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
@@ -31,12 +32,6 @@ def _row(measure, size, contender, value, unit, baseline=None, base_value=None, 
     if base_value:
         r["vs_baseline"] = base_value / value if lower_is_better else value / base_value
     return r
-
-
-def _torch_host_empty_cache():
-    fn = getattr(torch._C, "_host_emptyCache", None)  # torch >= 2.5
-    if fn is not None:
-        fn()
 
 
 def _alloc_free(ctx, rows, gpu):
@@ -115,7 +110,7 @@ def _overhead(ctx, rows, notes, gpu):
                          s["reserved_bytes"] / s["requested_bytes"], "ratio"))
         del live
     if gpu and hasattr(torch.cuda, "reset_peak_host_memory_stats"):
-        _torch_host_empty_cache()
+        host_empty_cache()
         torch.cuda.reset_peak_host_memory_stats()
         live, peak_requested = run(lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True))
         end_requested = sum(t.numel() for t in live.values())
@@ -130,7 +125,7 @@ def _overhead(ctx, rows, notes, gpu):
             rows.append(_row("reserved/requested at end", end_requested, "torch pinned allocator",
                              current / end_requested, "ratio"))
         del live
-        _torch_host_empty_cache()
+        host_empty_cache()
 
 
 def _power_of_two_model(ops):
@@ -184,7 +179,7 @@ def _cold(ctx, rows, gpu):
                 t = pool.empty(size, dtype=torch.uint8)
             else:
                 if gpu:
-                    _torch_host_empty_cache()
+                    host_empty_cache()
                 t0 = time.perf_counter()
                 t = torch.empty(size, dtype=torch.uint8, pin_memory=gpu)
             t1 = time.perf_counter()
@@ -195,7 +190,7 @@ def _cold(ctx, rows, gpu):
             if provider is not None:
                 pool.close()
             elif gpu:
-                _torch_host_empty_cache()
+                host_empty_cache()
     base = "torch.empty(pin_memory=True)" if gpu else "torch.empty (cpu)"
     for name in contenders:
         rows.append(_row("cold first allocation", size, name, best[name][0], "s", base, best[base][0]))

@@ -24,8 +24,18 @@ Note [offloaded activations]
 * On the CPU (tensors on "cpu") the same schedule runs through the engine's
   worker thread; it saves no memory there and exists so scripts run
   unchanged and the schedule is tested everywhere.
+* A graph dropped without backward (or left by a forward that raised) frees
+  what it offloaded at once: autograd's saved variables are the only strong
+  holders of a record, and nothing a record holds leads back to the graph
+  (it keeps a detached alias of its tensor, whose grad_fn would lead to the
+  node that holds the record: a cycle through autograd's C++ nodes, which
+  Python's GC cannot see or collect). The context holds records weakly.
+* A ``with`` block that saved tensors but offloaded none, all being under
+  ``min_bytes``, warns (NothingOffloadedWarning) on exit: small models
+  otherwise run unchanged with nothing said.
 """
 import threading
+import warnings
 import weakref
 from collections import deque
 from dataclasses import dataclass
@@ -35,10 +45,16 @@ import torch
 from torch import nn
 
 from ..pool import PinnedPool, default_pool, parse_bytes
+from ..torch_private import tensor_base, tensor_version
 from ..transfer import offload, prefetch
 from .saved_hooks import Passed, current_hooks
 
 API = "hipferry.offload_activations"
+
+
+class NothingOffloadedWarning(UserWarning):
+    """An ``offload_activations`` block saved tensors but offloaded none: all
+    were under ``min_bytes``."""
 
 
 @dataclass
@@ -66,7 +82,9 @@ class _Record:
         self.index, self.device, self.size, self.stride, self.perm = index, t.device, t.size(), t.stride(), perm
         self.nbytes = t.numel() * t.element_size()
         self.transfer = None   # the device->host copy until settled
-        self.source = t        # the tensor itself until settled (the engine holds it anyway)
+        # The tensor's data until settled (the engine holds it anyway); detached, see
+        # Note [offloaded activations]: `t` itself would lead back to this record.
+        self.source = t.detach()
         self.saves = 1         # times autograd saved it (the same tensor saved again is moved once)
         self.unpacks = 0
         self.device_copy = None  # brought back, kept for the remaining unpacks of a tensor saved twice
@@ -94,10 +112,12 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):
     """Context manager: saved activations of at least ``min_bytes`` go to the
     pool during forward and come back ahead of use during backward.
 
-    ``min_bytes``: smaller saved tensors stay (default 1 MiB). ``max_in_flight``:
-    device bytes that copies in flight may hold, in each direction (default
-    256 MiB). ``pool``: host memory (default pool). See Note [offloaded
-    activations]. ``stats()`` gives the counters of everything run under it.
+    ``min_bytes``: smaller saved tensors stay (default 1 MiB; a block that
+    offloaded nothing because of it warns NothingOffloadedWarning).
+    ``max_in_flight``: device bytes that copies in flight may hold, in each
+    direction (default 256 MiB). ``pool``: host memory (default pool). See Note
+    [offloaded activations]. ``stats()`` gives the counters of everything run
+    under it.
     """
 
     def __init__(self, *, min_bytes: Any = 1 << 20, max_in_flight: Any = 256 << 20,
@@ -117,7 +137,11 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):
         self.pool = pool
         self._stats = ActivationStats()
         self._outer: List[Any] = []
-        self._in_flight: Deque[_Record] = deque()
+        self._entered: List[Tuple[int, int, int]] = []  # per open `with`: counters at entry (the warning)
+        self._largest_small = 0                        # bytes of the largest saved tensor under min_bytes
+        # Records whose copy out is not settled, oldest first, and their bytes. Weak: a record
+        # of a graph dropped without backward dies with it (its unwaited copy is safe to drop).
+        self._in_flight: Deque[Tuple[weakref.ref, int]] = deque()
         self._in_flight_bytes = 0
         self._records: List[weakref.ref] = []         # in pack order (records die with their graph)
         self._compact_at = 1024                       # list length that triggers dropping dead entries
@@ -128,6 +152,9 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):
 
     def __enter__(self):
         self._outer.append(current_hooks())
+        s = self._stats
+        self._entered.append((s.offloaded_tensors + s.deduplicated, s.kept_small, self._largest_small))
+        self._largest_small = 0
         super().__enter__()
         return self
 
@@ -136,8 +163,18 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):
             return super().__exit__(*exc)
         finally:
             self._outer.pop()
+            moved, small, largest_before = self._entered.pop()
+            largest, self._largest_small = self._largest_small, max(largest_before, self._largest_small)
+            s = self._stats
+            small = s.kept_small - small
+            if exc[0] is None and s.offloaded_tensors + s.deduplicated == moved and small and largest:
+                warnings.warn(NothingOffloadedWarning(
+                    f"{API}: nothing was offloaded in this block: the {small} saved tensors that could move were "
+                    f"all under min_bytes={self.min_bytes} bytes (the largest: {largest} bytes); pass a smaller "
+                    f"min_bytes, e.g. offload_activations(min_bytes={largest}), to offload them"), stacklevel=2)
 
     def stats(self) -> dict:
+        self._drop_dead_in_flight()
         return dict(vars(self._stats), in_flight_bytes=self._in_flight_bytes)
 
     def _locked(self, fn):
@@ -148,7 +185,7 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):
 
     # ------------------------------------------------------------ forward
     def _keep_reason(self, t: torch.Tensor) -> Optional[str]:
-        if isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad) or isinstance(t._base, nn.Parameter):
+        if isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad) or isinstance(tensor_base(t), nn.Parameter):
             return "kept_params"
         if type(t) is not torch.Tensor or t.layout != torch.strided or t.device.type not in ("cuda", "cpu"):
             return "kept_other"
@@ -164,11 +201,13 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):
             why = "kept_other"
         if why is not None:
             setattr(self._stats, why, getattr(self._stats, why) + 1)
+            if why == "kept_small":
+                self._largest_small = max(self._largest_small, t.numel() * t.element_size())
             return Passed(outer, t)
         # The same tensor object saved again (unchanged) is moved once. Identity, not
         # address: freed device memory is reused by new tensors at once.
         seen = self._by_tensor.get(id(t))
-        if seen is not None and seen[0]() is t and seen[1]() is not None and seen[2] == t._version:
+        if seen is not None and seen[0]() is t and seen[1]() is not None and seen[2] == tensor_version(t):
             self._stats.deduplicated += 1
             seen[1]().saves += 1
             return seen[1]()
@@ -177,18 +216,21 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):
             self._compact()
         rec = _Record(len(self._records), t, perm)
         self._settle_completed()
-        while self._in_flight and self._in_flight_bytes + rec.nbytes > self.max_in_flight:
+        while True:
+            head = self._oldest_in_flight()
+            if head is None or self._in_flight_bytes + rec.nbytes <= self.max_in_flight:
+                break
             self._stats.forward_waits += 1
-            self._settle(self._in_flight[0])
-        rec.transfer = offload(t.permute(perm), pool=self.pool)
-        self._in_flight.append(rec)
+            self._settle(head)
+        rec.transfer = offload(rec.source.permute(perm), pool=self.pool)  # (detached: the engine holds no graph)
+        self._in_flight.append((weakref.ref(rec), rec.nbytes))
         self._in_flight_bytes += rec.nbytes
         s = self._stats
         s.peak_in_flight_bytes = max(s.peak_in_flight_bytes, self._in_flight_bytes)
         s.offloaded_tensors += 1
         s.offloaded_bytes += rec.nbytes
         self._records.append(weakref.ref(rec))
-        self._by_tensor[id(t)] = (weakref.ref(t), weakref.ref(rec), t._version)
+        self._by_tensor[id(t)] = (weakref.ref(t), weakref.ref(rec), tensor_version(t))
         return rec
 
     def _compact(self) -> None:
@@ -199,9 +241,35 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):
         self._by_tensor = {k: v for k, v in self._by_tensor.items() if v[0]() is not None and v[1]() is not None}
         self._compact_at = max(1024, 2 * len(self._records))
 
+    def _oldest_in_flight(self) -> Optional[_Record]:
+        """The oldest live record in flight. Dead ones before it are dropped with
+        their bytes: their copies ran before its on the same stream (or worker)."""
+        while self._in_flight:
+            rec = self._in_flight[0][0]()
+            if rec is not None:
+                return rec
+            self._in_flight_bytes -= self._in_flight.popleft()[1]
+        return None
+
+    def _drop_dead_in_flight(self) -> None:
+        with self._lock:
+            alive = [(r, n) for r, n in self._in_flight if r() is not None]
+            self._in_flight = deque(alive)
+            self._in_flight_bytes = sum(n for _, n in alive)
+
+    def _remove_in_flight(self, rec: _Record) -> None:
+        for i, (r, nbytes) in enumerate(self._in_flight):
+            if r() is rec:
+                del self._in_flight[i]
+                self._in_flight_bytes -= nbytes
+                return
+
     def _settle_completed(self) -> None:
-        while self._in_flight and self._in_flight[0].transfer.ready():
-            self._settle(self._in_flight[0])
+        while True:
+            head = self._oldest_in_flight()
+            if head is None or not head.transfer.ready():
+                return
+            self._settle(head)
 
     def _settle(self, rec: _Record) -> None:
         """Host copy of `rec` in hand; the engine lets go of the device tensor."""
@@ -209,8 +277,7 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):
             return
         rec.host = rec.transfer.wait()
         rec.transfer, rec.source = None, None
-        self._in_flight.remove(rec)  # (a record with a transfer is always in flight)
-        self._in_flight_bytes -= rec.nbytes
+        self._remove_in_flight(rec)  # (a record with a transfer is always in flight)
 
     # ------------------------------------------------------------ backward
     def _unpack(self, obj: Any) -> torch.Tensor:
@@ -225,8 +292,7 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):
             t = rec.device_copy if rec.device_copy is not None else rec.source
             s.prefetch_hits += 1
             if rec.transfer is not None:  # keep the tensor instead of the copy out (dropped unwaited: safe)
-                self._in_flight.remove(rec)
-                self._in_flight_bytes -= rec.nbytes
+                self._remove_in_flight(rec)
                 rec.transfer = None
             if rec.unpacks >= rec.saves:
                 rec.device_copy = None

@@ -21,6 +21,7 @@ from typing import Any, Callable, Deque, Dict, List, Tuple
 import torch
 
 from ..pool import PinnedPool
+from ..torch_private import current_graph_task_id, post_accumulate_grad_hooks, queue_end_of_backward
 from ..transfer import Transfer, offload
 
 
@@ -38,12 +39,12 @@ class GradSink:
         self.lock = threading.Lock()  # two GPUs: two autograd device threads
 
     def add(self, entry, grad: torch.Tensor) -> None:
-        task = torch._C._current_graph_task_id()
+        task = current_graph_task_id()
         with self.lock:
             by_param = self.pending.get(task)
             if by_param is None:
                 by_param = self.pending[task] = {}
-                torch.autograd.Variable._execution_engine.queue_callback(partial(self.flush, task))
+                queue_end_of_backward(partial(self.flush, task))
             dtype = entry.host_dtype if entry.host_dtype != grad.dtype else None
             nbytes = grad.numel() * grad.element_size()
             self._settle(lambda: self.in_flight and self.in_flight_bytes + nbytes > self.max_in_flight)
@@ -82,7 +83,7 @@ class GradSink:
                     p.grad = total
                 else:
                     p.grad.add_(total)
-            for hook in list((getattr(p, "_post_accumulate_grad_hooks", None) or {}).values()):
+            for hook in post_accumulate_grad_hooks(p):
                 hook(p)
 
     def drop_stale(self) -> None:

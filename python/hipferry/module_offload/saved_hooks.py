@@ -7,16 +7,15 @@ effect when ours were pushed (activation checkpointing, ``save_on_cpu``,
 an outer ``offload_activations``), so they compose instead of shadowing each
 other. With no outer hooks the tensor is kept as autograd would keep it.
 """
-from typing import Any, Callable, Optional, Tuple
-
 import torch
 
-Hooks = Optional[Tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]]
+from ..torch_private import SavedHooks as Hooks
+from ..torch_private import current_saved_tensors_hooks
 
 
 def current_hooks() -> Hooks:
     """The (pack, unpack) pair in effect now, or None."""
-    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return current_saved_tensors_hooks()
 
 
 class Passed:

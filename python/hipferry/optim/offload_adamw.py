@@ -23,6 +23,7 @@ import torch
 
 from .. import _C
 from ..pool import PinnedPool, default_pool
+from ..torch_private import amp_unscale_, tensor_version
 from ..transfer import Transfer, offload
 from . import calibration
 from .checks import (LOW_PRECISION, TORCH_FLAG_DEFAULTS, check_flag, check_grad, check_group_options,
@@ -48,7 +49,7 @@ class _Slot:
 
     def copy_is_current(self, grad: torch.Tensor) -> bool:
         """A gradient copy was started and `grad` is the same tensor, unchanged since."""
-        return self.grad_copy is not None and self.copied_grad is grad and self.copied_version == grad._version
+        return self.grad_copy is not None and self.copied_grad is grad and self.copied_version == tensor_version(grad)
 
 
 def param_key(lp: torch.Tensor) -> tuple:
@@ -56,7 +57,7 @@ def param_key(lp: torch.Tensor) -> tuple:
     (in-place ops, ``p.copy_`` under no_grad, ``model.load_state_dict``), its
     storage and layout (``p.data = t``, ``vector_to_parameters``). A write
     through ``p.data.copy_`` changes none of them: ``reload_params()``."""
-    return lp._version, lp.data_ptr(), tuple(lp.stride())
+    return tensor_version(lp), lp.data_ptr(), tuple(lp.stride())
 
 
 def step_dtype() -> torch.dtype:
@@ -256,7 +257,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             return
         grad = local(p.grad)
         slot.grad_copy = offload(grad, pool=self._pool)
-        slot.copied_grad, slot.copied_version = grad, grad._version
+        slot.copied_grad, slot.copied_version = grad, tensor_version(grad)
 
     def _host_grad(self, p: torch.Tensor, slot: _Slot) -> torch.Tensor:
         grad = local(p.grad)
@@ -371,7 +372,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             groups.setdefault((grad.device, grad.dtype), []).append(grad)
         for (device, _), grads in groups.items():
             found = torch.zeros((), dtype=torch.float32, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv.to(device))
+            amp_unscale_(grads, found, inv.to(device))
 
     def _grads_finite(self, params: List[torch.Tensor]) -> bool:
         flags = [torch.isfinite(local(p.grad)).all() for p in params]
@@ -568,7 +569,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             for p, slot, host in copied:
                 host.mul_(coef.to(host.dtype))  # CUDA's foreach mul rounds the factor to the grad dtype
                 slot.grad_copy = _Done(host)
-                slot.copied_version = local(p.grad)._version
+                slot.copied_version = tensor_version(local(p.grad))
         return total
 
     def memory_stats(self) -> dict:
