@@ -216,3 +216,43 @@ def test_offload_inference_rejects_bad_arguments(args, named):
     r = subprocess.run([sys.executable, str(EXAMPLES / "offload_inference.py"), "--device", "cpu", *args],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and named in r.stderr, r.stderr
+
+
+def _run_hf_finetune_offload(tmp_path, *extra, device="cpu"):
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    out_json = tmp_path / "hf_finetune_offload.json"
+    r = subprocess.run([sys.executable, str(EXAMPLES / "hf_finetune_offload.py"), "--steps", "3", "--layers", "3",
+                        "--hidden", "32", "--seq", "16", "--batch", "2", "--device", device, "--json", str(out_json),
+                        *extra], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "[step    3/3] loss" in r.stdout and "what moved (handle.stats())" in r.stdout  # progress, stats
+    s = json.loads(out_json.read_text())
+    assert s["device"] == device and s["ok"] is True and len(s["losses"]) == 3
+    assert s["block_names"] == [f"base_model.model.model.layers.{i}" for i in range(3)]  # found under peft
+    assert 0 < s["trainable_params"] < s["params"]  # LoRA only
+    st = s["stats"]
+    assert st["blocks"] == 3 and st["bytes_moved"] > 0 and st["grad_bytes_moved"] > 0  # weights in, LoRA grads out
+    return r.stdout, s
+
+
+def test_hf_finetune_offload_on_cpu(tmp_path):
+    _run_hf_finetune_offload(tmp_path)
+
+
+def test_hf_finetune_offload_with_gradient_checkpointing_on_cpu(tmp_path):
+    _run_hf_finetune_offload(tmp_path, "--gradient-checkpointing")
+
+
+@requires_gpu
+def test_hf_finetune_offload_on_gpu(tmp_path):
+    out, s = _run_hf_finetune_offload(tmp_path, device="cuda")
+    assert "on cuda" in out
+
+
+@pytest.mark.parametrize("args, named", [(["--steps", "0"], "--steps"), (["--hidden", "30"], "--hidden"),
+                                         (["--layers", "1"], "--layers"), (["--seq", "100000"], "--seq")])
+def test_hf_finetune_offload_rejects_bad_arguments(args, named):
+    r = subprocess.run([sys.executable, str(EXAMPLES / "hf_finetune_offload.py"), "--device", "cpu", *args],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and named in r.stderr, r.stderr

@@ -274,3 +274,18 @@ def test_torch_compile_runs_the_blocks_from_the_ring():
     assert counters["stats"]["unique_graphs"] >= 1 and counters["aot_autograd"]["ok"] >= 1, dict(counters["stats"])
     assert handle.stats()["fetches"] >= 2 * 10
     torch._dynamo.reset()
+
+
+def test_a_parameter_added_to_a_block_after_offload_is_named():
+    # PEFT's get_peft_model on an offloaded model adds adapters inside the blocks;
+    # on another device than the ring's they cannot run: the error says what to do.
+    model, ref = model_and_reference(MLPNet, "cpu")
+    hipferry.offload_layers(model, device="cpu")
+    model.blocks[2].fc1.extra = nn.Parameter(torch.zeros(3, device="meta"))
+    with pytest.raises(RuntimeError, match=r"block 'blocks\.2' has a parameter 'fc1\.extra' on meta that was added "
+                                           r"after offload_layers.*undo\(\)"):
+        model(model.example(0))
+    del model.blocks[2].fc1.extra
+    x = model.example(0)
+    with torch.no_grad():
+        assert_same_outputs(model(x), ref(x), "after removing it")

@@ -155,6 +155,8 @@ class LayerOffload:
         self._backward: Dict[int, _BlockRun] = {}  # graph task -> the block its backward is in
         self._passes = 0                # model calls begun (each refreshes the resident copies)
         self._closed = False
+        # Parameters of each block when offloaded (its entries and the shared ones on the device).
+        self._known = [{id(p) for p in blk.module.parameters()} for blk in blocks]
         self._hooks = []
         self._integration = ModelIntegration(self)
         for m in self._integration.callers:
@@ -336,6 +338,14 @@ class LayerOffload:
             if p.device.type != "cpu" or p.data_ptr() != e.host_ptr:
                 raise RuntimeError(f"{API}: parameter {e.name!r} was moved or replaced after offload_layers "
                                    "(e.g. by assigning .data); call handle.undo() first")
+        known = self._known[blk.index]
+        for name, p in blk.module.named_parameters():
+            if id(p) not in known and p.device != self.device:
+                raise RuntimeError(
+                    f"{API}: block {blk.name!r} has a parameter {name!r} on {p.device} that was added after "
+                    f"offload_layers (e.g. PEFT adapters from get_peft_model on the offloaded model), while the "
+                    f"block runs on {self.device}; add adapters first and offload the PEFT model, or call "
+                    "handle.undo() and offload_layers again")
 
     def _put_in_place(self, blk: Block, slot, grad: bool) -> list:
         """Device tensors of `slot` in the block's parameter slots; returns what was there."""
