@@ -17,6 +17,9 @@
 #                              multi-threaded core tests under ThreadSanitizer
 #   scripts/dev.sh deps | build | cpu-variants | check-gpu-builds | check-cpu-build | sanitize | tsan
 #                            the single steps
+#   scripts/dev.sh gpu-wheels  wheels of the test dependencies beyond torch (transformers, peft,
+#                            accelerate, expecttest and theirs) into .whl/, for a GPU machine
+#                            without network (scripts/gpu_check.sh installs them; carry .whl)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -131,6 +134,12 @@ case "${1:-}" in
   check-cpu-build) check_cpu_build ;;
   sanitize) sanitize ;;
   tsan) tsan ;;
+  gpu-wheels)
+    mkdir -p .whl
+    # shellcheck disable=SC2046  # one word per distribution
+    $PY -m pip download -q --no-deps -d .whl $($PY scripts/offline_wheels.py)
+    ls .whl
+    ;;
   test)
     start=$(date +%s)
     deps; build; run_tests; cpu_variants; check_gpu_builds; check_cpu_build; sanitize; tsan
