@@ -10,7 +10,6 @@ from functools import partial
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
