@@ -288,3 +288,28 @@ def test_a_parameter_added_to_a_block_after_offload_is_named():
     x = model.example(0)
     with torch.no_grad():
         assert_same_outputs(model(x), ref(x), "after removing it")
+
+
+@pytest.mark.parametrize("how", ["dropped", "raises"])
+def test_forwards_without_backward_keep_nothing_alive(how):
+    # A training forward whose graph is dropped (or that raises inside a block):
+    # nothing of it stays -- no reference cycle through autograd nodes, no pool bytes.
+    from offload_module_helpers import pool_in_use
+    import gc
+    model, _ = model_and_reference(MLPNet, "cpu")
+    with hipferry.PinnedPool(capacity="64MiB") as pool:
+        handle = hipferry.offload_layers(model, device="cpu", pool=pool)
+        marks = {}
+        for i in range(1, 121):
+            x = model.example(i % 3)
+            if how == "raises":
+                with pytest.raises(RuntimeError):
+                    model.blocks[1](torch.zeros(2, 3, 5))  # wrong width: fails inside the block
+            loss_of(model(x))  # the graph goes with the loss
+            if i in (20, 120):
+                gc.collect()
+                marks[i] = (len(gc.get_objects()), pool_in_use(pool))
+        assert marks[120][1] == marks[20][1], marks
+        assert marks[120][0] - marks[20][0] < 500, marks
+        assert not handle._runs and not handle._backward
+        handle.undo()
