@@ -498,9 +498,9 @@ def test_trainer_on_gpu_never_holds_the_whole_model(tmp_path):
 
 
 # ------------------------------------------------------------------ 12. torch.compile
-# Allowed graph breaks: one per offloaded block (its wrapped forward, which swaps
-# parameters and takes a ring slot, runs eagerly) plus 2 for the top-level model's
-# pre/post hooks and the loss/output glue around the decoder loop.
+# Allowed graph breaks: one per offloaded block (its pre-hook, which takes a ring
+# slot and swaps the parameters, runs eagerly) plus 2 for the model's and the
+# inner model's call hooks and the loss/output glue around the decoder loop.
 GRAPH_BREAK_SLACK = 2
 
 
