@@ -61,7 +61,8 @@ build() {
 CPU_VARIANT_TESTS=(tests/python/test_adamw_step.py tests/python/test_copy_cast.py
                    tests/python/test_offload_adamw.py tests/python/test_offload_adamw_state.py
                    tests/python/test_offload_adamw_errors.py tests/python/test_offload_adamw_grad_copies.py
-                   tests/python/test_offload_adamw_torch_parity.py tests/python/test_offload_adamw_fuzz.py)
+                   tests/python/test_offload_adamw_torch_parity.py tests/python/test_offload_adamw_fuzz.py
+                   tests/python/test_hf_models.py)  # (Trainer + OffloadAdamW against torch's AdamW)
 cpu_variants() {
   local caps=(default avx2)
   grep -qw avx512f /proc/cpuinfo && caps+=(avx512)
