@@ -7,8 +7,7 @@ name the tensor that differs, and a training comparison that steps both
 models with the same torch optimizer: the reference's optimizer steps
 stand-ins of its parameters placed where the offloaded model keeps them (the
 host for offloaded blocks), so both sides run the same arithmetic on the same
-device (see offload_module_helpers.PlacedReference, of which this is the
-HF-shaped version).
+device (offload_module_helpers.PlacedReference).
 
 Every comparison is ``torch.equal``: both sides are torch's own kernels on the
 same machine, with the same weights; the offload only changes where a weight
@@ -22,6 +21,7 @@ import torch
 from torch import nn
 
 from conftest import requires_gpu
+from offload_module_helpers import PlacedReference, assert_same, assert_same_grads, assert_same_params
 from hipferry.torch_private import in_backward
 
 transformers = pytest.importorskip("transformers")
@@ -162,36 +162,6 @@ def enable_checkpointing(model: nn.Module, reentrant: bool) -> None:
 
 
 # ------------------------------------------------------------------ comparisons
-def assert_same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
-    a, b = a.detach(), b.detach()
-    assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: {a.shape}/{a.dtype} vs {b.shape}/{b.dtype}"
-    a, b = a.cpu(), b.cpu()
-    if not torch.equal(a, b):
-        diff = (a.double() - b.double()).abs().max().item()
-        raise AssertionError(f"{what} differs (max abs difference {diff})")
-
-
-def assert_same_params(model: nn.Module, ref: nn.Module, what: str = "parameter") -> None:
-    named, ref_named = list(model.named_parameters()), list(ref.named_parameters())
-    assert [n for n, _ in named] == [n for n, _ in ref_named]
-    for (name, p), (_, r) in zip(named, ref_named):
-        assert_same(p, r, f"{what} {name}")
-
-
-def assert_same_grads(model: nn.Module, ref: nn.Module, cast: bool = False) -> None:
-    """Every .grad bitwise equal to the reference's (None where it is None); with
-    ``cast`` the reference's gradient is cast to the dtype of the model's first
-    (a host dtype keeps the gradients of offloaded weights in that dtype)."""
-    named, ref_named = list(model.named_parameters()), list(ref.named_parameters())
-    assert [n for n, _ in named] == [n for n, _ in ref_named]
-    assert any(r.grad is not None for _, r in ref_named), "the reference has no gradients: nothing compared"
-    for (name, p), (_, r) in zip(named, ref_named):
-        assert (p.grad is None) == (r.grad is None), f"grad of {name}: {p.grad is None=} vs {r.grad is None=}"
-        if r.grad is not None:
-            want = r.grad.to(p.grad.dtype) if cast else r.grad
-            assert_same(p.grad, want, f"grad of {name}")
-
-
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.detach().cpu().double() - b.detach().cpu().double()).abs().max().item()
 
@@ -199,38 +169,6 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 # ------------------------------------------------------------------ training
 def trainable(model: nn.Module) -> List[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
-
-
-class PlacedOptimizer:
-    """``make_opt`` over stand-ins of ``ref``'s trainable parameters placed where
-    ``model`` keeps the corresponding ones (the host, for offloaded blocks);
-    parameters already there are their own stand-ins. step() hands the
-    reference's gradients to the stand-ins, steps, and writes the values back."""
-
-    def __init__(self, ref: nn.Module, model: nn.Module,
-                 make_opt: Callable[[List[torch.Tensor]], torch.optim.Optimizer]):
-        self.pairs = []
-        for (name, r), (mname, p) in zip(ref.named_parameters(), model.named_parameters()):
-            assert name == mname
-            if not r.requires_grad:
-                continue
-            s = r if r.device == p.device else r.detach().to(p.device).requires_grad_(True)
-            self.pairs.append((r, s))
-        self.opt = make_opt([s for _, s in self.pairs])
-
-    def zero_grad(self) -> None:
-        for r, s in self.pairs:
-            r.grad = s.grad = None
-
-    @torch.no_grad()
-    def step(self) -> None:
-        for r, s in self.pairs:
-            if s is not r and r.grad is not None:
-                s.grad = r.grad.to(s.device)
-        self.opt.step()
-        for r, s in self.pairs:
-            if s is not r:
-                r.copy_(s)
 
 
 def adamw(**kw) -> Callable[[List[torch.Tensor]], torch.optim.Optimizer]:
@@ -246,7 +184,7 @@ def train_and_compare(model: nn.Module, ref: nn.Module, device, steps: int, make
     """``steps`` optimizer steps of both models on the same batches: losses and
     gradients bitwise equal each step, then every parameter after the step."""
     make_opt = make_opt or adamw()
-    opt, ref_opt = make_opt(trainable(model)), PlacedOptimizer(ref, model, make_opt)
+    opt, ref_opt = make_opt(trainable(model)), PlacedReference(ref, model, make_opt)
     for step in range(first_step, first_step + steps):
         ids = batch(step, device)
         opt.zero_grad(set_to_none=True)

@@ -198,15 +198,17 @@ def assert_same_outputs(out, ref_out, what="output"):
     assert_same(out, ref_out, what)
 
 
-def assert_same_grads(model, ref):
-    """Every parameter's .grad bitwise equal to the reference's (None where it is None)."""
+def assert_same_grads(model, ref, cast=False):
+    """Every parameter's .grad bitwise equal to the reference's (None where it is None);
+    with ``cast`` the reference's gradient is first cast to the dtype of the model's
+    (a host dtype keeps the gradients of offloaded weights in that dtype)."""
     named, ref_named = list(model.named_parameters()), list(ref.named_parameters())
     assert [n for n, _ in named] == [n for n, _ in ref_named]
     assert any(p.grad is not None for _, p in ref_named), "the reference has no gradients: nothing compared"
     for (name, p), (_, r) in zip(named, ref_named):
         assert (p.grad is None) == (r.grad is None), f"grad of {name}: {p.grad is None=} vs {r.grad is None=}"
         if r.grad is not None:
-            assert_same(p.grad, r.grad, f"grad of {name}")
+            assert_same(p.grad, r.grad.to(p.grad.dtype) if cast else r.grad, f"grad of {name}")
 
 
 def assert_same_params(model, ref, what="parameter"):
@@ -263,15 +265,18 @@ def pool_in_use(pool):
 # ------------------------------------------------------------------ optimizers
 class PlacedReference:
     """The reference side of a training comparison: ``make_opt`` over stand-ins of the
-    reference's parameters placed where the offloaded model keeps the corresponding
-    parameters (on the host for offloaded blocks). Device-placed parameters are their
-    own stand-ins. step() hands the reference's gradients to the stand-ins, steps, and
-    writes the results back -- the arithmetic the offloaded model's optimizer does."""
+    reference's trainable parameters (frozen ones, e.g. a LoRA base, are left out)
+    placed where the offloaded model keeps the corresponding parameters (on the host
+    for offloaded blocks). Device-placed parameters are their own stand-ins. step()
+    hands the reference's gradients to the stand-ins, steps, and writes the results
+    back -- the arithmetic the offloaded model's optimizer does."""
 
     def __init__(self, ref, model, make_opt):
         self.pairs = []
         for (name, r), (mname, p) in zip(ref.named_parameters(), model.named_parameters()):
             assert name == mname
+            if not r.requires_grad:
+                continue
             stand_in = r if r.device == p.device else r.detach().to(p.device).requires_grad_(True)
             self.pairs.append((r, stand_in))
         self.opt = make_opt([s for _, s in self.pairs])

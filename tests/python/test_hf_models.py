@@ -140,8 +140,8 @@ def test_bfloat16_host_weights_give_the_reference_gradients(family, checkpointin
 
 # ------------------------------------------------------------------ 4. what the recompute reads
 def check_recompute_reads_ring_weights(family, device, reentrant):
-    """HF checkpoints each layer's class forward, inside hipferry's wrapper of the
-    instance's forward: the recompute in backward must still read ring weights
+    """HF checkpoints each layer's class forward inside the layer's call (inside
+    hipferry's hooks): the recompute in backward must still read ring weights
     (device tensors brought in again), never the host parameters (on a GPU those
     are host memory; with a host dtype, the wrong dtype)."""
     model = make_model(family, device=device)
@@ -323,12 +323,14 @@ def test_layer_offload_of_names_the_handle_of_a_model_and_of_its_copy(device):
 
 # ------------------------------------------------------------------ 8. meta parameters, accelerate hooks
 def forwards(model):
-    """Each module's instance-level forward (hooks install one), by name."""
-    return {n: m.__dict__.get("forward") for n, m in model.named_modules()}
+    """What offload_layers installs on each module, by name: its forward hooks
+    and instance attributes (an instance forward included)."""
+    return {n: (list(m._forward_pre_hooks), list(m._forward_hooks), m.__dict__.get("forward"),
+                m.__dict__.get("_apply"), m.__dict__.get("__deepcopy__")) for n, m in model.named_modules()}
 
 
 def assert_not_offloaded(model, forwards_before):
-    assert forwards(model) == forwards_before, "a block's forward was wrapped by the rejected call"
+    assert forwards(model) == forwards_before, "the rejected call left hooks or attributes on a module"
     assert not any("_hipferry_offload" in m.__dict__ for m in model.modules())
 
 
