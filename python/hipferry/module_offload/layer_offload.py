@@ -228,8 +228,7 @@ class LayerOffload:
             raise RuntimeError(f"{API}: undo() called while block {self.blocks[self._runs[-1].block].name!r} "
                                "is running; call it between model calls")
         self._release_unpack_slot()
-        for task in list(self._backward):
-            self._backward_ends(task)
+        self._end_backward_runs()
         self.ring.synchronize()
         for h in self._hooks:
             h.remove()
@@ -281,8 +280,7 @@ class LayerOffload:
         self._pass, self._pos = [], 0
         self._sink.drop_stale()
         self._release_unpack_slot()  # left by a backward that raised
-        for task in list(self._backward):
-            self._backward_ends(task)
+        self._end_backward_runs()
         self.ring.invalidate()
         # The first blocks start copying while what precedes them (embeddings) runs.
         self.ring.prefetch(self._order[:self.prefetch], self._order)
@@ -339,8 +337,9 @@ class LayerOffload:
                 raise RuntimeError(f"{API}: parameter {e.name!r} was moved or replaced after offload_layers "
                                    "(e.g. by assigning .data); call handle.undo() first")
         known = self._known[blk.index]
-        for name, p in blk.module.named_parameters():
+        for p in blk.module.parameters():  # (every call: names only for the error)
             if id(p) not in known and p.device != self.device:
+                name = next(n for n, q in blk.module.named_parameters() if q is p)
                 raise RuntimeError(
                     f"{API}: block {blk.name!r} has a parameter {name!r} on {p.device} that was added after "
                     f"offload_layers (e.g. PEFT adapters from get_peft_model on the offloaded model), while the "
@@ -377,10 +376,10 @@ class LayerOffload:
         if owner:
             self._begin_pass()
             self._calls.append(id(module))
-        future = self._recompute_future(b) if backward else self._forward_future(b)
-        slot = self.ring.acquire(b, future, self.prefetch, pin=True)
-        hooks = None
+        slot, saved, hooks = None, [], None
         try:
+            future = self._recompute_future(b) if backward else self._forward_future(b)
+            slot = self.ring.acquire(b, future, self.prefetch, pin=True)
             grad = torch.is_grad_enabled()
             saved = self._put_in_place(blk, slot, grad)
             if grad:
@@ -390,7 +389,14 @@ class LayerOffload:
                                                                  self._unpack)
                 hooks.__enter__()
         except BaseException:
-            self.ring.release(slot)
+            # The post-hook will find no run of this call: undo here what it began
+            # (a model call left open would keep later calls from refreshing copies).
+            self._put_back(saved)
+            if slot is not None:
+                self.ring.release(slot)
+            if owner:
+                self._calls.pop()
+                self._end_pass()
             raise
         trace = trace_region(blk.name, track="offload_layers blocks")
         trace.__enter__()
@@ -445,6 +451,11 @@ class LayerOffload:
             raise
         self._backward[task] = _BlockRun(b, slot, saved, None, False)
 
+    def _end_backward_runs(self) -> None:
+        """Every block's backward in progress ends (backward raised or is over)."""
+        for task in list(self._backward):
+            self._backward_ends(task)
+
     def _backward_ends(self, task: int) -> None:
         run = self._backward.pop(task, None)
         if run is not None:
@@ -485,8 +496,7 @@ class LayerOffload:
             raise RuntimeError(f"{API}: backward needs weights of block {self.blocks[obj.block].name!r}, "
                                "but the offload was undone after forward")
         if self.ring._versions(obj.block) != obj.versions:
-            for task in list(self._backward):  # this backward ends here: the host parameters go back
-                self._backward_ends(task)
+            self._end_backward_runs()  # this backward ends here: the host parameters go back
             raise RuntimeError(f"{API}: a weight of block {self.blocks[obj.block].name!r} that backward needs "
                                "was modified in place after forward (an optimizer step before backward?)")
         run = self._backward.get(current_graph_task_id())

@@ -47,11 +47,11 @@ class ModelIntegration:
     def __init__(self, handle: "LayerOffload"):
         self.handle_ref = weakref.ref(handle)
         self.model = handle.model
-        blocks = {id(b.module) for b in handle.blocks}
         self.blocks = [b.module for b in handle.blocks]
+        self.block_ids = {id(m) for m in self.blocks}
         # Callers: modules (the model included) that contain a block and are not one.
         self.callers = [m for m in self.model.modules()
-                        if id(m) not in blocks and any(id(s) in blocks for s in m.modules())]
+                        if id(m) not in self.block_ids and any(id(s) in self.block_ids for s in m.modules())]
         self.entries_under: Dict[int, list] = {}
         for m in self.callers + self.blocks:
             inside = {id(s) for s in m.modules()}
@@ -101,7 +101,7 @@ class ModelIntegration:
                     f"({e.device_dtype}, run on {handle.device} from host memory) into {got}; nothing was "
                     "changed. Offloaded weights can only be 'moved' to the ring's device (a no-op). Call "
                     "handle.undo() first, or offload with the device=/dtype= you want")
-        if id(module) in {id(b) for b in self.blocks}:
+        if id(module) in self.block_ids:
             return _apply_except(module, fn, {id(e.param) for e in entries})
         return nn.Module._apply(module, fn, recurse)
 
@@ -112,7 +112,7 @@ class ModelIntegration:
         handle.synchronize()
         hook_keys = []
         for m in self.modules:
-            for d in _hook_dicts(m):
+            for d in module_hook_dicts(m):
                 for k, fn in d.items():
                     if _is_ours(fn, handle, self):
                         memo[id(fn)] = None  # copied as None, then dropped below
@@ -126,18 +126,18 @@ class ModelIntegration:
         for m in self.modules:
             twin = memo.get(id(m))
             if isinstance(twin, nn.Module):
-                for d in _hook_dicts(twin):
+                for d in module_hook_dicts(twin):
                     for k in hook_keys:
                         d.pop(k, None)
         copied = [blk for blk in handle.blocks if isinstance(memo.get(id(blk.module)), nn.Module)]
+        block_alone = id(module) in self.block_ids
         with torch.no_grad():
             for blk in copied:
                 for e in blk.entries:
                     twin = memo.get(id(e.param))
-                    if isinstance(twin, nn.Parameter):
-                        keep_on_host = module is not blk.module
-                        twin.data = twin.data.to(device="cpu" if keep_on_host else e.orig_device, dtype=e.device_dtype)
-        if any(module is blk.module for blk in handle.blocks):
+                    if isinstance(twin, nn.Parameter):  # on the host until offloaded again, unless a block alone
+                        twin.data = twin.data.to(device=e.orig_device if block_alone else "cpu", dtype=e.device_dtype)
+        if block_alone:
             return new
         twin_handle = offload_layers(new, prefetch=handle.prefetch, layers=[memo[id(b.module)] for b in copied],
                                      pool=handle.pool, dtype=handle.dtype, device=handle.device)
@@ -146,10 +146,6 @@ class ModelIntegration:
             for e in blk.entries:
                 e.orig_device = origin.get(id(e.param), e.orig_device)
         return new
-
-
-def _hook_dicts(m: nn.Module) -> list:
-    return module_hook_dicts(m)
 
 
 def _is_ours(fn: Any, handle: "LayerOffload", integration: ModelIntegration) -> bool:
