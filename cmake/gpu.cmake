@@ -29,7 +29,7 @@ if(HIPFERRY_RESOLVED_TARGET STREQUAL "rocm")
   set(GPU_TARGETS "${_archs}" CACHE STRING "AMD GPU targets" FORCE)
   set(AMDGPU_TARGETS "${_archs}" CACHE STRING "AMD GPU targets" FORCE)
   # Debian installs hip-config.cmake under the multiarch dir; ROCm under /opt/rocm.
-  find_package(hip REQUIRED CONFIG PATHS /opt/rocm /usr/lib/x86_64-linux-gnu/cmake/hip)
+  find_package(hip REQUIRED CONFIG PATHS /opt/rocm /usr/lib/${CMAKE_LIBRARY_ARCHITECTURE}/cmake/hip)
   set(HIPFERRY_GPU_ARCHITECTURES "${_archs}")
   # ROCm's own Clang finds the HIP headers and device libraries by itself; a
   # distribution Clang (Debian's) is told where they are, as hipcc would.
@@ -40,7 +40,7 @@ if(HIPFERRY_RESOLVED_TARGET STREQUAL "rocm")
     list(APPEND HIPFERRY_HIP_FLAGS "--rocm-path=${_rocm_path}")
   endif()
   foreach(_bitcode "${_rocm_path}/amdgcn/bitcode" "${_rocm_path}/lib/${CMAKE_LIBRARY_ARCHITECTURE}/amdgcn/bitcode"
-                   "/usr/lib/x86_64-linux-gnu/amdgcn/bitcode")
+                   "/usr/lib/${CMAKE_LIBRARY_ARCHITECTURE}/amdgcn/bitcode")
     if(EXISTS "${_bitcode}/ockl.bc")
       list(APPEND HIPFERRY_HIP_FLAGS "--hip-device-lib-path=${_bitcode}")
       break()

@@ -4,11 +4,12 @@
 
 execute_process(
   COMMAND "${HIPFERRY_PYTHON}" -c
-    "import os, torch; d = os.path.dirname(torch.__file__); print(os.path.join(d, 'include') + ';' + os.path.join(d, 'lib') + ';' + str(int(torch._C._GLIBCXX_USE_CXX11_ABI)))"
+    "import os, torch; d = os.path.dirname(torch.__file__); print(';'.join([os.path.join(d, 'include'), os.path.join(d, 'lib'), str(int(torch._C._GLIBCXX_USE_CXX11_ABI)), str(int(torch.backends.openmp.is_available()))]))"
   OUTPUT_VARIABLE _torch_paths OUTPUT_STRIP_TRAILING_WHITESPACE COMMAND_ERROR_IS_FATAL ANY)
 list(GET _torch_paths 0 HIPFERRY_TORCH_INCLUDE)
 list(GET _torch_paths 1 HIPFERRY_TORCH_LIB)
 list(GET _torch_paths 2 HIPFERRY_TORCH_CXX11_ABI)
+list(GET _torch_paths 3 HIPFERRY_TORCH_OPENMP)
 
 add_library(hipferry_torch INTERFACE)
 target_include_directories(hipferry_torch SYSTEM INTERFACE "${HIPFERRY_TORCH_INCLUDE}")
@@ -20,9 +21,8 @@ endforeach()
 
 # at::parallel_for is inline: with an OpenMP build of torch its `omp parallel`
 # is compiled into OUR objects, so they need -fopenmp (libgomp, as torch uses)
-# or every CPU kernel silently runs on one thread.
-file(READ "${HIPFERRY_TORCH_INCLUDE}/ATen/Config.h" _aten_config)
-if(_aten_config MATCHES "#define AT_PARALLEL_OPENMP 1")
+# or every CPU kernel silently runs on one thread. torch says which it is.
+if(HIPFERRY_TORCH_OPENMP)
   if(CMAKE_CXX_COMPILER_ID MATCHES "Clang")
     set(_openmp_flag -fopenmp=libgomp)
   else()
@@ -57,16 +57,19 @@ if(NOT HIPFERRY_RESOLVED_TARGET STREQUAL "cpu")
   target_sources(_C PRIVATE csrc/torch/copy_cast_gpu.cpp)
 endif()
 # The module is compiled with the C++ standard torch's headers ask for
-# (torch 2.15 demands C++20, older releases are C++17): ATen.h says which.
-file(READ "${HIPFERRY_TORCH_INCLUDE}/ATen/ATen.h" _aten_header)
-if(_aten_header MATCHES "__cplusplus < 202002L")
-  set(HIPFERRY_TORCH_CXX_STANDARD 20)
-else()
+# (torch 2.15 demands C++20, older releases are C++17): the compiler tells,
+# by preprocessing ATen.h as C++17 (it stops at once where torch refuses it).
+file(WRITE "${CMAKE_CURRENT_BINARY_DIR}/hipferry_torch_std_probe.cpp" "#include <ATen/ATen.h>\n")
+execute_process(COMMAND "${CMAKE_CXX_COMPILER}" -std=c++17 -E -D_GLIBCXX_USE_CXX11_ABI=${HIPFERRY_TORCH_CXX11_ABI}
+                        -isystem "${HIPFERRY_TORCH_INCLUDE}" "${CMAKE_CURRENT_BINARY_DIR}/hipferry_torch_std_probe.cpp"
+                RESULT_VARIABLE _cxx17_rc OUTPUT_QUIET ERROR_QUIET)
+if(_cxx17_rc EQUAL 0)
   set(HIPFERRY_TORCH_CXX_STANDARD 17)
+else()
+  set(HIPFERRY_TORCH_CXX_STANDARD 20)
 endif()
 message(STATUS "hipferry: torch module compiled as C++${HIPFERRY_TORCH_CXX_STANDARD}, as torch requires")
 set_target_properties(_C PROPERTIES CXX_STANDARD ${HIPFERRY_TORCH_CXX_STANDARD})
-target_include_directories(_C PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/csrc)
 target_link_libraries(_C PRIVATE hipferry_runtime hipferry_torch)
 target_compile_definitions(_C PRIVATE HIPFERRY_TORCH_VERSION="${HIPFERRY_TORCH_VERSION}")
 target_compile_options(_C PRIVATE -Wall -Wextra -Wno-unused-parameter)

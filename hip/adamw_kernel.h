@@ -6,8 +6,8 @@
 
 #include <cstdint>
 
-#include "../csrc/core/optim/adamw_cpu.h"
-#include "runtime.h"
+#include "csrc/core/optim/adamw_cpu.h"
+#include "hip/runtime.h"
 
 namespace hipferry::gpu {
 

@@ -1,12 +1,12 @@
 // platform.h first: it defines __host__/__device__ for the core headers.
-#include "platform.h"
+#include "hip/platform.h"
 
 #include <algorithm>
 
-#include "../csrc/core/convert.h"
-#include "../csrc/core/dispatch.h"
-#include "adamw_kernel.h"
-#include "check.h"
+#include "csrc/core/convert.h"
+#include "csrc/core/dispatch.h"
+#include "hip/adamw_kernel.h"
+#include "hip/check.h"
 
 namespace hipferry::gpu {
 namespace {

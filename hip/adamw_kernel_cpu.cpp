@@ -1,6 +1,6 @@
 // launch_adamw for the CPU-only build: the "device" is the CPU and every
 // stream is complete at once, so the update runs in place.
-#include "adamw_kernel.h"
+#include "hip/adamw_kernel.h"
 
 namespace hipferry::gpu {
 

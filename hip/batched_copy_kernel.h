@@ -10,8 +10,8 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "../csrc/core/element_type.h"
-#include "runtime.h"
+#include "csrc/core/element_type.h"
+#include "hip/runtime.h"
 
 namespace hipferry::gpu {
 

@@ -1,13 +1,13 @@
 // platform.h first: it defines __host__/__device__ for the core headers.
-#include "platform.h"
+#include "hip/platform.h"
 
 #include <algorithm>
 #include <stdexcept>
 #include <string>
 
-#include "../csrc/core/convert.h"
-#include "batched_copy_kernel.h"
-#include "check.h"
+#include "csrc/core/convert.h"
+#include "hip/batched_copy_kernel.h"
+#include "hip/check.h"
 
 namespace hipferry::gpu {
 namespace {

@@ -4,8 +4,8 @@
 #include <stdexcept>
 #include <string>
 
-#include "../csrc/core/copy_cast_cpu.h"
-#include "batched_copy_kernel.h"
+#include "csrc/core/copy_cast_cpu.h"
+#include "hip/batched_copy_kernel.h"
 
 namespace hipferry::gpu {
 

@@ -4,8 +4,8 @@
 
 #include <string>
 
-#include "platform.h"
-#include "runtime.h"
+#include "hip/platform.h"
+#include "hip/runtime.h"
 
 namespace hipferry::rt {
 

@@ -4,8 +4,8 @@
 
 #include <cstdint>
 
-#include "../csrc/core/element_type.h"
-#include "runtime.h"
+#include "csrc/core/element_type.h"
+#include "hip/runtime.h"
 
 namespace hipferry::gpu {
 

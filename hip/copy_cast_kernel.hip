@@ -1,11 +1,11 @@
 // platform.h first: it defines __host__/__device__ for the core headers.
-#include "platform.h"
+#include "hip/platform.h"
 
 #include <algorithm>
 
-#include "../csrc/core/dispatch.h"
-#include "check.h"
-#include "copy_cast_kernel.h"
+#include "csrc/core/dispatch.h"
+#include "hip/check.h"
+#include "hip/copy_cast_kernel.h"
 
 namespace hipferry::gpu {
 namespace {

@@ -1,7 +1,7 @@
 // launch_copy_cast for the CPU-only build: the "device" is the CPU and every
 // stream is complete at once, so the launch runs the CPU kernel in place.
-#include "../csrc/core/copy_cast_cpu.h"
-#include "copy_cast_kernel.h"
+#include "csrc/core/copy_cast_cpu.h"
+#include "hip/copy_cast_kernel.h"
 
 namespace hipferry::gpu {
 

@@ -1,12 +1,12 @@
 // Backends of the pinned pool on the runtime layer (see pinned_memory.h).
-#include "pinned_memory.h"
+#include "hip/pinned_memory.h"
 
 #include <cstdlib>
 #include <stdexcept>
 #include <thread>
 
-#include "host_pool/size_classes.h"
-#include "transfer/serial_worker.h"
+#include "csrc/core/host_pool/size_classes.h"
+#include "csrc/core/transfer/serial_worker.h"
 
 namespace hipferry {
 namespace {

@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "host_pool/host_memory_provider.h"
-#include "runtime.h"
+#include "csrc/core/host_pool/host_memory_provider.h"
+#include "hip/runtime.h"
 
 namespace hipferry {
 

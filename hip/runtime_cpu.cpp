@@ -6,7 +6,7 @@
 #include <cstring>
 #include <new>
 
-#include "runtime.h"
+#include "hip/runtime.h"
 
 namespace hipferry::rt {
 namespace {

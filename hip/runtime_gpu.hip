@@ -1,9 +1,9 @@
 // runtime.h for HIP (AMD) and CUDA (NVIDIA), one source through platform.h.
 #include <string>
 
-#include "check.h"
-#include "platform.h"
-#include "runtime.h"
+#include "hip/check.h"
+#include "hip/platform.h"
+#include "hip/runtime.h"
 
 #ifndef HIPFERRY_GPU_ARCHITECTURES
 #error "the build must define HIPFERRY_GPU_ARCHITECTURES"

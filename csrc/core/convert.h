@@ -17,7 +17,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "host_device.h"
+#include "csrc/core/host_device.h"
 
 namespace hipferry {
 

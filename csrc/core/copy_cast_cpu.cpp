@@ -1,9 +1,9 @@
-#include "copy_cast_cpu.h"
+#include "csrc/core/copy_cast_cpu.h"
 
 #include <algorithm>
 #include <cstring>
 
-#include "dispatch.h"
+#include "csrc/core/dispatch.h"
 
 // Speed notes.
 // - The loops are branch-free element code; `omp simd` (-fopenmp-simd, no
@@ -14,7 +14,7 @@
 //   convert.h (IEEE RNE, quiet NaN keeping sign and payload bits); GoogleTest
 //   checks that over all 2^32 float32 and 2^16 float16 inputs. The software
 //   integer path is several times slower out of cache. The GPU runs convert.h.
-#include "cpu/cpu_isa.h"
+#include "csrc/core/cpu/cpu_isa.h"
 #ifdef HIPFERRY_HAVE_AVX2_BUILD
 #include <immintrin.h>
 #define HIPFERRY_HAVE_F16C_PATH 1

@@ -4,7 +4,7 @@
 
 #include <cstdint>
 
-#include "element_type.h"
+#include "csrc/core/element_type.h"
 
 namespace hipferry {
 

@@ -3,8 +3,8 @@
 // the kernel launcher both pick their template instance through it.
 #pragma once
 
-#include "convert.h"
-#include "element_type.h"
+#include "csrc/core/convert.h"
+#include "csrc/core/element_type.h"
 
 namespace hipferry {
 

@@ -10,9 +10,9 @@
 #include <stdexcept>
 #include <vector>
 
-#include "convert.h"
-#include "cpu/cpu_isa.h"
-#include "optim/adamw_cpu.h"
+#include "csrc/core/convert.h"
+#include "csrc/core/cpu/cpu_isa.h"
+#include "csrc/core/optim/adamw_cpu.h"
 
 namespace hipferry::optim {
 namespace {

@@ -7,8 +7,8 @@
 #include <random>
 #include <vector>
 
-#include "adamw_kernel.h"
-#include "convert.h"
+#include "hip/adamw_kernel.h"
+#include "csrc/core/convert.h"
 
 namespace hipferry {
 namespace {

@@ -9,9 +9,9 @@
 #include <stdexcept>
 #include <vector>
 
-#include "batched_copy_kernel.h"
-#include "copy_cast_cpu.h"
-#include "runtime.h"
+#include "hip/batched_copy_kernel.h"
+#include "csrc/core/copy_cast_cpu.h"
+#include "hip/runtime.h"
 
 namespace hipferry {
 namespace {

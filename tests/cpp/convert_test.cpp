@@ -9,8 +9,8 @@
 #include <thread>
 #include <vector>
 
-#include "convert.h"
-#include "copy_cast_cpu.h"
+#include "csrc/core/convert.h"
+#include "csrc/core/copy_cast_cpu.h"
 
 namespace hipferry {
 namespace {

@@ -7,9 +7,9 @@
 #include <random>
 #include <vector>
 
-#include "convert.h"
-#include "copy_cast_cpu.h"
-#include "dispatch.h"
+#include "csrc/core/convert.h"
+#include "csrc/core/copy_cast_cpu.h"
+#include "csrc/core/dispatch.h"
 
 namespace hipferry {
 namespace {

@@ -22,8 +22,8 @@
 #include <utility>
 #include <vector>
 
-#include "host_pool/host_memory_provider.h"
-#include "host_pool/size_classes.h"
+#include "csrc/core/host_pool/host_memory_provider.h"
+#include "csrc/core/host_pool/size_classes.h"
 
 namespace hipferry::pool::testing {
 

@@ -12,9 +12,9 @@
 #include <thread>
 #include <vector>
 
-#include "fake_host_memory.h"
-#include "host_pool/host_pool.h"
-#include "host_pool_fixture.h"
+#include "tests/cpp/fake_host_memory.h"
+#include "csrc/core/host_pool/host_pool.h"
+#include "tests/cpp/host_pool_fixture.h"
 
 namespace hipferry::pool {
 namespace {

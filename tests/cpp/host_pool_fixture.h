@@ -4,8 +4,8 @@
 #include <cstddef>
 #include <memory>
 
-#include "fake_host_memory.h"
-#include "host_pool/host_pool.h"
+#include "tests/cpp/fake_host_memory.h"
+#include "csrc/core/host_pool/host_pool.h"
 
 namespace hipferry::pool::testing {
 

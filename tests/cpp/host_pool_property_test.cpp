@@ -15,9 +15,9 @@
 #include <string>
 #include <vector>
 
-#include "fake_host_memory.h"
-#include "host_pool/host_pool.h"
-#include "host_pool/size_classes.h"
+#include "tests/cpp/fake_host_memory.h"
+#include "csrc/core/host_pool/host_pool.h"
+#include "csrc/core/host_pool/size_classes.h"
 
 namespace hipferry::pool {
 namespace {

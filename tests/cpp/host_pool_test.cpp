@@ -18,10 +18,10 @@
 #include <thread>
 #include <vector>
 
-#include "fake_host_memory.h"
-#include "host_pool_fixture.h"
-#include "host_pool/host_pool.h"
-#include "host_pool/size_classes.h"
+#include "tests/cpp/fake_host_memory.h"
+#include "tests/cpp/host_pool_fixture.h"
+#include "csrc/core/host_pool/host_pool.h"
+#include "csrc/core/host_pool/size_classes.h"
 
 namespace hipferry::pool {
 namespace {

@@ -5,7 +5,7 @@
 
 #include <cstring>
 
-#include "platform.h"
+#include "hip/platform.h"
 
 namespace {
 

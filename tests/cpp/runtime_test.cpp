@@ -9,9 +9,9 @@
 #include <string>
 #include <vector>
 
-#include "copy_cast_cpu.h"
-#include "copy_cast_kernel.h"
-#include "runtime.h"
+#include "csrc/core/copy_cast_cpu.h"
+#include "hip/copy_cast_kernel.h"
+#include "hip/runtime.h"
 
 namespace hipferry {
 namespace {

@@ -10,8 +10,8 @@
 #include <thread>
 #include <vector>
 
-#include "host_pool/host_pool.h"
-#include "transfer/serial_worker.h"
+#include "csrc/core/host_pool/host_pool.h"
+#include "csrc/core/transfer/serial_worker.h"
 
 namespace hipferry::transfer {
 namespace {

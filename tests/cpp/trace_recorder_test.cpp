@@ -6,7 +6,7 @@
 #include <thread>
 #include <vector>
 
-#include "trace/trace_recorder.h"
+#include "csrc/core/trace/trace_recorder.h"
 
 namespace hipferry::trace {
 namespace {

@@ -8,7 +8,7 @@
 #include <stdexcept>
 #include <vector>
 
-#include "transfer/transfer_plan.h"
+#include "csrc/core/transfer/transfer_plan.h"
 
 namespace hipferry::transfer {
 namespace {

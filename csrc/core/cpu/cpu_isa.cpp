@@ -1,4 +1,4 @@
-#include "cpu/cpu_isa.h"
+#include "csrc/core/cpu/cpu_isa.h"
 
 #include <cstdlib>
 #include <stdexcept>

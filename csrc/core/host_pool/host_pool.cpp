@@ -1,6 +1,6 @@
 // The pinned host pool; the design and its invariants are in Note [hipferry
 // pinned pool] in host_pool.h.
-#include "host_pool/host_pool.h"
+#include "csrc/core/host_pool/host_pool.h"
 
 #include <algorithm>
 #include <chrono>
@@ -8,7 +8,7 @@
 #include <cstdlib>
 #include <thread>
 
-#include "host_pool/size_classes.h"
+#include "csrc/core/host_pool/size_classes.h"
 
 namespace hipferry::pool {
 namespace {

@@ -49,7 +49,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "host_pool/host_memory_provider.h"
+#include "csrc/core/host_pool/host_memory_provider.h"
 
 namespace hipferry::pool {
 

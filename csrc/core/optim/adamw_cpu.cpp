@@ -1,7 +1,7 @@
-#include "optim/adamw_cpu.h"
+#include "csrc/core/optim/adamw_cpu.h"
 
-#include "cpu/cpu_isa.h"
-#include "dispatch.h"
+#include "csrc/core/cpu/cpu_isa.h"
+#include "csrc/core/dispatch.h"
 
 // An AVX2 build of the loop (8 elements per instruction), picked at run time
 // by cpu::active_isa(); the baseline build stays correct everywhere and gives

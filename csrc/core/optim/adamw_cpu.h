@@ -4,9 +4,9 @@
 
 #include <cstdint>
 
-#include "cpu/cpu_isa.h"
-#include "element_type.h"
-#include "optim/adamw_update.h"
+#include "csrc/core/cpu/cpu_isa.h"
+#include "csrc/core/element_type.h"
+#include "csrc/core/optim/adamw_update.h"
 
 namespace hipferry::optim {
 

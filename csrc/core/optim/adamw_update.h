@@ -26,8 +26,8 @@
 #include <cmath>
 #include <cstdint>
 
-#include "convert.h"
-#include "host_device.h"
+#include "csrc/core/convert.h"
+#include "csrc/core/host_device.h"
 
 namespace hipferry::optim {
 

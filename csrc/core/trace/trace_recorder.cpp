@@ -1,5 +1,5 @@
 // Trace recording and Chrome trace-event JSON (see trace_recorder.h).
-#include "trace/trace_recorder.h"
+#include "csrc/core/trace/trace_recorder.h"
 
 #include <algorithm>
 #include <cstdio>

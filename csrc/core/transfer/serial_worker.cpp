@@ -1,5 +1,5 @@
 // A serial task worker (see serial_worker.h).
-#include "transfer/serial_worker.h"
+#include "csrc/core/transfer/serial_worker.h"
 
 #include <stdexcept>
 

@@ -16,7 +16,7 @@
 #include <string>
 #include <thread>
 
-#include "host_pool/host_memory_provider.h"
+#include "csrc/core/host_pool/host_memory_provider.h"
 
 namespace hipferry::transfer {
 

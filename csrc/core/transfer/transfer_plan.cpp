@@ -1,5 +1,5 @@
 // Transfer planning (see transfer_plan.h).
-#include "transfer/transfer_plan.h"
+#include "csrc/core/transfer/transfer_plan.h"
 
 #include <stdexcept>
 #include <string>
