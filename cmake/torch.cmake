@@ -46,7 +46,6 @@ pybind11_add_module(_C MODULE
   csrc/torch/pinned_pool.cpp
   csrc/torch/pool_bindings.cpp
   csrc/torch/current_stream.cpp
-  csrc/torch/trace_session.cpp
   csrc/torch/transfer_engine.cpp
   csrc/torch/transfer_paths.cpp
   csrc/torch/transfer_bindings.cpp

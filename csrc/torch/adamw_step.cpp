@@ -10,11 +10,11 @@
 
 #include <optional>
 
-#include "adamw_kernel.h"
-#include "optim/adamw_cpu.h"
-#include "torch/copy_cast_checks.h"
-#include "torch/current_stream.h"
-#include "torch/python_errors.h"
+#include "hip/adamw_kernel.h"
+#include "csrc/core/optim/adamw_cpu.h"
+#include "csrc/torch/copy_cast_checks.h"
+#include "csrc/torch/current_stream.h"
+#include "csrc/torch/python_errors.h"
 
 namespace py = pybind11;
 

@@ -1,6 +1,6 @@
 // AdamWStreamer (see Note [GPU-streamed AdamW] in adamw_streamer.h) and its
 // binding hipferry._C.AdamWStreamer, driven by hipferry.optim.OffloadAdamW.
-#include "torch/adamw_streamer.h"
+#include "csrc/torch/adamw_streamer.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -9,37 +9,27 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
-#include <cstring>
 #include <optional>
 #include <string>
 
-#include "adamw_kernel.h"
-#include "optim/adamw_cpu.h"
-#include "torch/copy_cast_checks.h"
-#include "torch/current_stream.h"
-#include "torch/python_errors.h"
+#include "hip/adamw_kernel.h"
+#include "csrc/core/optim/adamw_cpu.h"
+#include "csrc/core/schedule/host_streams.h"
+#include "hip/gpu_stream.h"
+#include "hip/trace_session.h"
+#include "csrc/torch/copy_cast_checks.h"
+#include "csrc/torch/current_stream.h"
+#include "csrc/torch/python_errors.h"
 
 namespace py = pybind11;
 
 namespace hipferry {
 namespace {
 
-// Host mode (device -1) has no streams or events: every operation below is
-// then done at once on the calling thread, in the same order.
-std::vector<std::unique_ptr<rt::Event>> make_events(int device, int n) {
-  std::vector<std::unique_ptr<rt::Event>> out;
-  for (int i = 0; i < n; ++i) out.push_back(device >= 0 ? std::make_unique<rt::Event>(device) : nullptr);
-  return out;
-}
-
-rt::StreamHandle handle_of(const std::unique_ptr<rt::Stream>& s) { return s ? s->handle() : nullptr; }
-
-void record(const std::unique_ptr<rt::Event>& e, rt::StreamHandle stream) {
-  if (e) e->record(stream);
-}
-
-void wait(const std::unique_ptr<rt::Event>& e, rt::StreamHandle stream) {
-  if (e) e->block_stream(stream);
+std::unique_ptr<schedule::Stream> copy_stream(int device, const char* direction) {
+  if (device < 0) return std::make_unique<schedule::ImmediateStream>(std::string("cpu adamw ") + direction,
+                                                                     tracing::host_spans());
+  return std::make_unique<gpu::GpuStream>(device, "gpu:" + std::to_string(device) + " adamw " + direction + " stream");
 }
 
 void check_host_state(const at::Tensor& t, const char* name, std::size_t index, std::int64_t numel) {
@@ -81,13 +71,9 @@ AdamWStreamer::AdamWStreamer(int device, std::int64_t chunk_numel, int slots)
     : device_(device),
       chunk_numel_(chunk_numel),
       slots_(slots),
-      in_(device >= 0 ? std::make_unique<rt::Stream>(device) : nullptr),
-      out_(device >= 0 ? std::make_unique<rt::Stream>(device) : nullptr),
-      loaded_(make_events(device, slots)),
-      computed_(make_events(device, slots)),
-      free_(make_events(device, slots)),
-      free_recorded_(static_cast<std::size_t>(slots), false),
-      finished_(device >= 0 ? std::make_unique<rt::Event>(device) : nullptr) {}
+      in_(copy_stream(device, "state in")),
+      out_(copy_stream(device, "state out")),
+      pipeline_(chunk_numel, slots) {}
 
 AdamWStreamer::~AdamWStreamer() {
   try {
@@ -98,102 +84,66 @@ AdamWStreamer::~AdamWStreamer() {
 }
 
 void AdamWStreamer::synchronize() {
-  if (finished_recorded_ && finished_) finished_->synchronize();
+  std::optional<rt::DeviceGuard> guard;
+  if (device_ >= 0) guard.emplace(device_);
+  try {
+    pipeline_.synchronize();
+  } catch (...) {
+    in_flight_.clear();  // every copy was waited for first: nothing still uses them
+    throw;
+  }
   in_flight_.clear();
 }
 
-void AdamWStreamer::ensure_ring(int arrays_per_slot) {
-  if (ring_.defined() && arrays_per_slot <= arrays_per_slot_) return;
+bool AdamWStreamer::ensure_ring(int arrays_per_slot) {
+  if (ring_.defined() && arrays_per_slot <= arrays_per_slot_) return false;
   synchronize();  // the old ring may still be read or written by the last step
   ring_ = at::Tensor();
   const at::Device where = device_ >= 0 ? at::Device(at::kCUDA, device_) : at::Device(at::kCPU);
   ring_ = at::empty({slots_ * arrays_per_slot * chunk_numel_}, at::TensorOptions().dtype(at::kFloat).device(where));
   arrays_per_slot_ = arrays_per_slot;
-  if (device_ >= 0) {
-    // torch's allocator orders this memory after the current stream only; our
-    // copies run on in_, so in_ waits for what the current stream has queued.
-    rt::Event allocated(device_);
-    allocated.record(current_torch_stream(device_));
-    allocated.block_stream(in_->handle());
-  }
+  return true;
 }
 
 void AdamWStreamer::step(const std::vector<StreamedParam>& params, const optim::AdamWScalars& s) {
-  int arrays = 2 + (s.amsgrad ? 1 : 0);
-  for (std::size_t i = 0; i < params.size(); ++i) {
-    check_param(params[i], i, device_, s.amsgrad);
-    if (params[i].master) arrays = 3 + (s.amsgrad ? 1 : 0);
-  }
+  for (std::size_t i = 0; i < params.size(); ++i) check_param(params[i], i, device_, s.amsgrad);
   if (params.empty()) return;
+  std::vector<optim::StreamedArrays> arrays;
+  for (const StreamedParam& p : params) {
+    optim::StreamedArrays a;
+    a.numel = p.param.numel();
+    a.param = p.param.data_ptr();
+    a.param_type = element_type_of(p.param);
+    a.grad = p.grad.const_data_ptr();
+    a.grad_type = element_type_of(p.grad);
+    a.master = p.master ? p.master->data_ptr<float>() : nullptr;
+    a.exp_avg = p.exp_avg.data_ptr<float>();
+    a.exp_avg_sq = p.exp_avg_sq.data_ptr<float>();
+    a.max_exp_avg_sq = p.max_exp_avg_sq ? p.max_exp_avg_sq->data_ptr<float>() : nullptr;
+    arrays.push_back(a);
+  }
   const bool host = device_ < 0;
   std::optional<rt::DeviceGuard> guard;
   if (!host) guard.emplace(device_);
-  ensure_ring(arrays);
-  const rt::StreamHandle compute = host ? nullptr : current_torch_stream(device_);
-  const rt::StreamHandle in = handle_of(in_), out = handle_of(out_);
-  const auto copy = [host](void* dst, const void* src, std::size_t bytes, rt::StreamHandle stream) {
-    host ? static_cast<void>(std::memcpy(dst, src, bytes)) : rt::memcpy_async(dst, src, bytes, stream);
-  };
-  float* ring = ring_.data_ptr<float>();
-  const std::size_t slot_floats = static_cast<std::size_t>(arrays_per_slot_ * chunk_numel_);
-  if (finished_recorded_) wait(finished_, in);
-
-  std::int64_t chunk = 0;
+  const bool fresh = ensure_ring(optim::adamw_arrays_per_slot(arrays, s.amsgrad));
+  // The kernel runs where the gradient was produced and the next forward reads the parameter.
+  std::unique_ptr<schedule::Stream> compute;
+  if (host) {
+    compute = std::make_unique<schedule::ImmediateStream>("cpu adamw step", tracing::host_spans());
+  } else {
+    compute = std::make_unique<gpu::GpuStream>(device_, current_torch_stream(device_),
+                                               "gpu:" + std::to_string(device_) + " current stream");
+  }
   for (const StreamedParam& p : params) {
-    const std::int64_t n = p.param.numel();
-    // Host arrays in slot order: master (if any), exp_avg, exp_avg_sq, max (if any).
     for (const auto* t : {&p.exp_avg, &p.exp_avg_sq}) in_flight_.push_back(*t);
     if (p.master) in_flight_.push_back(*p.master);
     if (p.max_exp_avg_sq) in_flight_.push_back(*p.max_exp_avg_sq);
-    std::vector<float*> state;
-    if (p.master) state.push_back(p.master->data_ptr<float>());
-    state.push_back(p.exp_avg.data_ptr<float>());
-    state.push_back(p.exp_avg_sq.data_ptr<float>());
-    if (p.max_exp_avg_sq) state.push_back(p.max_exp_avg_sq->data_ptr<float>());
-    char* param_bytes = static_cast<char*>(p.param.data_ptr());
-    const char* grad_bytes = static_cast<const char*>(p.grad.const_data_ptr());
-    for (std::int64_t off = 0; off < n; off += chunk_numel_, ++chunk) {
-      const std::int64_t count = std::min(chunk_numel_, n - off);
-      const auto k = static_cast<std::size_t>(chunk % slots_);
-      float* slot = ring + k * slot_floats;
-      std::vector<float*> dev;
-      for (std::size_t a = 0; a < state.size(); ++a) dev.push_back(slot + a * chunk_numel_);
-      const std::size_t bytes = static_cast<std::size_t>(count) * sizeof(float);
-
-      if (free_recorded_[k]) wait(free_[k], in);
-      for (std::size_t a = 0; a < state.size(); ++a) copy(dev[a], state[a] + off, bytes, in);
-      record(loaded_[k], in);
-
-      wait(loaded_[k], compute);
-      optim::AdamWArrays arr;
-      std::size_t a = 0;
-      if (p.master) {
-        arr.param = dev[a++];
-        arr.param_out = param_bytes + off * p.param.element_size();
-        arr.out_type = element_type_of(p.param);
-      } else {
-        arr.param = reinterpret_cast<float*>(param_bytes) + off;
-      }
-      arr.exp_avg = dev[a++];
-      arr.exp_avg_sq = dev[a++];
-      if (p.max_exp_avg_sq) arr.max_exp_avg_sq = dev[a++];
-      arr.grad = grad_bytes + off * p.grad.element_size();
-      arr.grad_type = element_type_of(p.grad);
-      if (host) {
-        optim::adamw_cpu(arr, s, 0, count);
-      } else {
-        gpu::launch_adamw(arr, s, count, compute, device_);
-      }
-      record(computed_[k], compute);
-
-      wait(computed_[k], out);
-      for (std::size_t b = 0; b < state.size(); ++b) copy(state[b] + off, dev[b], bytes, out);
-      record(free_[k], out);
-      free_recorded_[k] = true;
-    }
   }
-  record(finished_, out);
-  finished_recorded_ = true;
+  const int device = device_;
+  pipeline_.step(arrays, s, optim::AdamWStreams{*in_, *compute, *out_}, ring_.data_ptr<float>(), arrays_per_slot_,
+                 fresh,
+                 [device](const optim::AdamWArrays& a, const optim::AdamWScalars& sc, std::int64_t n,
+                          schedule::NativeStream stream) { gpu::launch_adamw(a, sc, n, stream, device); });
 }
 
 void bind_adamw_streamer(py::module_& m) {

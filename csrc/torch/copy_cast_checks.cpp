@@ -1,4 +1,4 @@
-#include "copy_cast_checks.h"
+#include "csrc/torch/copy_cast_checks.h"
 
 #include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>

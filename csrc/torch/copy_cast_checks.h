@@ -4,7 +4,7 @@
 
 #include <ATen/core/Tensor.h>
 
-#include "core/element_type.h"
+#include "csrc/core/element_type.h"
 
 namespace hipferry {
 

@@ -7,9 +7,9 @@
 
 #include <cstring>
 
-#include "core/copy_cast_cpu.h"
-#include "torch/copy_cast_checks.h"
-#include "torch/trace_session.h"
+#include "csrc/core/copy_cast_cpu.h"
+#include "csrc/torch/copy_cast_checks.h"
+#include "hip/trace_session.h"
 
 namespace hipferry {
 namespace {

@@ -12,12 +12,12 @@
 
 #include <string>
 
-#include "copy_cast_kernel.h"
-#include "runtime.h"
-#include "torch/copy_cast_checks.h"
-#include "torch/current_stream.h"
-#include "torch/pinned_pool.h"
-#include "torch/trace_session.h"
+#include "hip/copy_cast_kernel.h"
+#include "hip/runtime.h"
+#include "csrc/torch/copy_cast_checks.h"
+#include "csrc/torch/current_stream.h"
+#include "csrc/torch/pinned_pool.h"
+#include "hip/trace_session.h"
 
 namespace hipferry {
 namespace {

@@ -1,4 +1,4 @@
-#include "torch/current_stream.h"
+#include "csrc/torch/current_stream.h"
 
 #include <c10/core/Device.h>
 #include <c10/core/Stream.h>

@@ -5,7 +5,7 @@
 
 #include <ATen/core/Tensor.h>
 
-#include "runtime.h"
+#include "hip/runtime.h"
 
 namespace hipferry {
 

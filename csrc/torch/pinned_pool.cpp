@@ -1,5 +1,5 @@
 // Pinned pools for torch (see pinned_pool.h).
-#include "torch/pinned_pool.h"
+#include "csrc/torch/pinned_pool.h"
 
 #include <ATen/ops/empty.h>
 #include <c10/core/Storage.h>
@@ -10,7 +10,7 @@
 #include <mutex>
 #include <unordered_map>
 
-#include "pinned_memory.h"
+#include "hip/pinned_memory.h"
 
 namespace hipferry {
 namespace {

@@ -9,7 +9,7 @@
 #include <memory>
 #include <string>
 
-#include "host_pool/host_pool.h"
+#include "csrc/core/host_pool/host_pool.h"
 
 namespace hipferry {
 

@@ -10,7 +10,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "torch/pinned_pool.h"
+#include "csrc/torch/pinned_pool.h"
 
 namespace py = pybind11;
 

@@ -6,10 +6,10 @@
 #include <cstring>
 #include <vector>
 
-#include "core/copy_cast_cpu.h"
-#include "core/cpu/cpu_isa.h"
-#include "pinned_memory.h"
-#include "runtime.h"
+#include "csrc/core/copy_cast_cpu.h"
+#include "csrc/core/cpu/cpu_isa.h"
+#include "hip/pinned_memory.h"
+#include "hip/runtime.h"
 
 namespace py = pybind11;
 using namespace hipferry;

@@ -8,9 +8,9 @@
 #include <optional>
 #include <stdexcept>
 
-#include "torch/python_errors.h"
-#include "torch/trace_session.h"
-#include "torch/transfer_engine.h"
+#include "csrc/torch/python_errors.h"
+#include "hip/trace_session.h"
+#include "csrc/torch/transfer_engine.h"
 
 namespace py = pybind11;
 

@@ -1,7 +1,7 @@
 // The transfer engine: checks a request, allocates the results, resolves
 // tensors into raw copy items and hands them to a path (transfer_paths.cpp);
 // owns the copy streams, the worker and the release list.
-#include "torch/transfer_engine.h"
+#include "csrc/torch/transfer_engine.h"
 
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
@@ -14,11 +14,11 @@
 #include <thread>
 #include <utility>
 
-#include "torch/copy_cast_checks.h"
-#include "torch/current_stream.h"
-#include "torch/pinned_pool.h"
-#include "torch/trace_session.h"
-#include "torch/transfer_paths.h"
+#include "csrc/torch/copy_cast_checks.h"
+#include "csrc/torch/current_stream.h"
+#include "csrc/torch/pinned_pool.h"
+#include "hip/trace_session.h"
+#include "csrc/torch/transfer_paths.h"
 
 namespace hipferry {
 namespace {

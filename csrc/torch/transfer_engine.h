@@ -53,7 +53,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime.h"
+#include "hip/runtime.h"
 
 namespace hipferry {
 

@@ -1,5 +1,5 @@
 // The transfer engine's execution paths (see transfer_paths.h).
-#include "torch/transfer_paths.h"
+#include "csrc/torch/transfer_paths.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -9,11 +9,11 @@
 #include <string>
 #include <utility>
 
-#include "batched_copy_kernel.h"
-#include "copy_cast_kernel.h"
-#include "core/copy_cast_cpu.h"
-#include "torch/trace_session.h"
-#include "transfer/transfer_plan.h"
+#include "hip/batched_copy_kernel.h"
+#include "hip/copy_cast_kernel.h"
+#include "csrc/core/copy_cast_cpu.h"
+#include "hip/trace_session.h"
+#include "csrc/core/transfer/transfer_plan.h"
 
 namespace hipferry::engine {
 namespace {

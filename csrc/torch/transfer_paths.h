@@ -12,10 +12,10 @@
 #include <string>
 #include <vector>
 
-#include "core/element_type.h"
-#include "host_pool/host_pool.h"
-#include "runtime.h"
-#include "transfer/serial_worker.h"
+#include "csrc/core/element_type.h"
+#include "csrc/core/host_pool/host_pool.h"
+#include "hip/runtime.h"
+#include "csrc/core/transfer/serial_worker.h"
 
 namespace hipferry::engine {
 

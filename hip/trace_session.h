@@ -11,8 +11,9 @@
 #include <string>
 #include <vector>
 
-#include "runtime.h"
-#include "trace/trace_recorder.h"
+#include "hip/runtime.h"
+#include "csrc/core/schedule/stream.h"
+#include "csrc/core/trace/trace_recorder.h"
 
 namespace hipferry::tracing {
 
@@ -54,5 +55,8 @@ class StreamSpan {
 enum class CopyStream { kToDevice, kToHost, kStaging };
 std::string stream_track(int device, CopyStream stream);
 inline const char* worker_track() { return "cpu transfer worker"; }
+
+// The trace as the CPU streams of the copy scheduler see it (add_host_span).
+schedule::SpanSink* host_spans();
 
 }  // namespace hipferry::tracing

@@ -1,4 +1,4 @@
-#include "torch/trace_session.h"
+#include "hip/trace_session.h"
 
 #include <algorithm>
 #include <atomic>
@@ -128,6 +128,23 @@ void StreamSpan::end() {
   if (!session_active.load() || session_number.load() != session_) return;  // its session ended meanwhile
   trace::TraceEvent e{name_, category_, track_, 0, 0, bytes_};
   pending.push_back(PendingSpan{std::move(e), device_, std::move(begin_), std::move(end)});
+}
+
+namespace {
+class HostSpans : public schedule::SpanSink {
+ public:
+  bool active() const override { return tracing::active(); }
+  std::int64_t now_ns() const override { return tracing::now_ns(); }
+  void add(const schedule::Label& label, const std::string& track, std::int64_t start_ns,
+           std::int64_t end_ns) override {
+    add_host_span(label.name, label.category, track, start_ns, end_ns, label.bytes);
+  }
+};
+}  // namespace
+
+schedule::SpanSink* host_spans() {
+  static HostSpans sink;  // stateless
+  return &sink;
 }
 
 std::string stream_track(int device, CopyStream stream) {
