@@ -10,6 +10,7 @@
 #include <mutex>
 #include <unordered_map>
 
+#include "csrc/torch/transfer_engine.h"
 #include "hip/pinned_memory.h"
 
 namespace hipferry {
@@ -48,6 +49,9 @@ const PoolBlock* pool_block_of(const at::Tensor& t) {
 std::int64_t create_pinned_pool(const PinnedPoolConfig& config) {
   auto provider = make_host_memory_provider(config.provider, config.flags, config.register_threads);
   auto pool = std::make_shared<pool::HostPool>(std::move(provider), make_use_event_source(), config.options);
+  // Results of transfers that completed but were not yet polled hold blocks:
+  // an allocation over the capacity lets go of them before it fails.
+  pool->set_reclaimer([] { return poll_transfer_releases(); });
   std::lock_guard<std::mutex> lock(registry_mutex);
   const std::int64_t id = next_id++;
   registry.emplace(id, std::move(pool));

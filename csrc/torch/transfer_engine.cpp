@@ -3,7 +3,10 @@
 // owns the copy streams, the worker and the release list.
 #include "csrc/torch/transfer_engine.h"
 
+#include <ATen/ops/_lazy_clone.h>
+#include <ATen/ops/alias.h>
 #include <ATen/ops/empty.h>
+#include <c10/core/impl/COW.h>
 #include <c10/util/Exception.h>
 
 #include <pthread.h>
@@ -156,6 +159,30 @@ void* mapped_address(const at::Tensor& t) {
   void* mapped = rt::host_device_pointer_or_null(const_cast<char*>(base));
   if (mapped == nullptr) return nullptr;
   return static_cast<char*>(mapped) + (static_cast<const char*>(t.const_data_ptr()) - base);
+}
+
+// A source the copy reads later (on the worker, or on a stream), held so that
+// nothing the caller does to its own tensor frees the memory before the copy
+// has read it (x.set_(), x.resize_(), x.untyped_storage().resize_(0), or
+// dropping x): a tensor of the engine's own over the data.
+//   * pageable host memory: a copy-on-write clone. The data and its owner
+//     are shared until one side writes: a write by the caller then copies,
+//     the copy reads what the source held at prefetch time, and a resize or
+//     a free leaves the clone's data in place;
+//   * other memory (pinned, device): an alias -- a TensorImpl of its own over
+//     the same Storage, which stays alive whatever the caller's tensor then
+//     points at (the pool's storages cannot be resized).
+// A source made here (made contiguous, conjugate or negation resolved) is
+// already the engine's own.
+at::Tensor held_source(const at::Tensor& given, at::Tensor src) {
+  if (!src.is_same(given) || !src.has_storage()) return src;
+  if (src.is_cpu()) {
+    const c10::StorageImpl& storage = *src.storage().unsafeGetStorageImpl();
+    if (c10::impl::cow::has_simple_data_ptr(storage) || c10::impl::cow::is_cow_data_ptr(storage.data_ptr())) {
+      return at::_lazy_clone(src);
+    }
+  }
+  return src.alias();
 }
 
 engine::CopyItem item_of(const at::Tensor& src, const at::Tensor& dst) {
@@ -375,7 +402,7 @@ std::shared_ptr<Transfer> start_transfer(TransferRequest r) {
   std::vector<at::Tensor> sources, results;
   for (const at::Tensor& t : r.sources) {
     // Lazy conjugate / negative views are materialized: the copy moves bytes.
-    at::Tensor src = t.resolve_conj().resolve_neg().contiguous();
+    at::Tensor src = held_source(t, t.resolve_conj().resolve_neg().contiguous());
     const at::ScalarType out_type = r.dtype.value_or(t.scalar_type());
     // Host results come from the pool: cached blocks, so a copy does not pay
     // for faulting in fresh pages (which costs more than the copy itself).

@@ -382,6 +382,34 @@ TEST(HostPool, UnderCapacityPressureASegmentIsSizedToTheRequest) {
   f.pool->check_invariants();
 }
 
+// The transfer engine may hold blocks for copies that completed but were not
+// polled yet: an allocation over the capacity asks it to let go first.
+TEST(HostPool, OverCapacityTheReclaimerIsAskedBeforeTheAllocationFails) {
+  PoolOptions o = small_options();
+  o.capacity = 1 * MiB;
+  Fixture f(o);
+  void* held = f.pool->allocate(600 * KiB).host;  // an own segment: most of the capacity
+  int calls = 0;
+  f.pool->set_reclaimer([&]() -> std::size_t {
+    ++calls;
+    if (held == nullptr) return 0;
+    f.pool->deallocate(held);  // the reclaimer frees blocks of this very pool (no lock is held)
+    held = nullptr;
+    return 1;
+  });
+  const auto small = f.pool->allocate(100);  // fits: the reclaimer is not asked
+  EXPECT_EQ(calls, 0);
+  const auto a = f.pool->allocate(700 * KiB);  // fits only once the held block is let go of
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(f.stats().reclaims, 1u);
+  EXPECT_THROW(f.pool->allocate(900 * KiB), PoolCapacityError);  // nothing left to let go of: a real error
+  EXPECT_EQ(calls, 2) << "asked once per allocation";
+  f.pool->deallocate(a.host);
+  f.pool->deallocate(small.host);
+  f.pool->set_reclaimer(nullptr);
+  f.pool->check_invariants();
+}
+
 TEST(HostPool, CapacityErrorNamesRequestAndCapacityAndLeavesThePoolUsable) {
   PoolOptions o = small_options();
   o.capacity = 1 * MiB;

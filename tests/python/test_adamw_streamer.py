@@ -144,3 +144,25 @@ def test_gpu_streamer_rejects_host_parameters():
     streamer = _C.AdamWStreamer(torch.cuda.current_device(), 4, 2)
     with pytest.raises(ValueError, match="must be a contiguous tensor on cuda"):
         streamer.step(**step_args(), step=1, amsgrad=False, maximize=False, **HYPER)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_streamed_chunks_show_on_the_trace(device):
+    """Every chunk's copies in, its kernel and its copies out are spans of the
+    timeline, on the streamer's tracks, with the bytes they moved."""
+    sizes = (2500, 7)  # chunk 1000: 3 + 1 chunks
+    params, master, m, v, mx = make_state(sizes, torch.float32, amsgrad=False)
+    grads = [[torch.randn(n)] for n in sizes]  # per parameter, per step
+    with hipferry.trace() as tr:
+        run_streamer(device, params, grads, master, m, v, mx, steps=1, amsgrad=False, maximize=False)
+    names = [e["name"] for e in tr.events]
+    chunks = 4
+    assert names.count("adamw chunk") == chunks, names
+    assert names.count("adamw state in") == 2 * chunks, "exp_avg and exp_avg_sq per chunk"
+    assert names.count("adamw state out") == 2 * chunks
+    kernels = [e for e in tr.events if e["name"] == "adamw chunk"]
+    assert all(e["category"] == "kernel" for e in kernels)
+    ins = [e for e in tr.events if e["name"] == "adamw state in"]
+    assert sum(e["bytes"] for e in ins) == 2 * 4 * sum(sizes), "every state byte copied in once"
+    tracks = {e["track"] for e in tr.events if e["name"].startswith("adamw")}
+    assert any("state in" in t for t in tracks) and any("state out" in t for t in tracks), tracks

@@ -100,6 +100,71 @@ def test_source_deleted_while_in_flight(device, kind, pool):
     check_same(t.wait(), torch.arange(n, dtype=torch.float32))
 
 
+@pytest.mark.parametrize("free", ["set_", "storage_resize", "resize_", "del"])
+@pytest.mark.parametrize("kind", ["pageable", "pool"])
+def test_source_storage_freed_while_the_worker_is_busy(device, kind, free):
+    """The engine holds what a queued copy reads through its storage (or its
+    data and owner), not through the caller's tensor: the caller may point
+    that tensor elsewhere or free its memory at once. Before, `x.set_()` here
+    was a use after free (SIGSEGV). The copy delivers what x held at prefetch."""
+    if kind == "pool" and free in ("storage_resize", "resize_"):
+        pytest.skip("the pool's storages cannot be resized (torch raises for them)")
+    r = run_python(device, f"""
+        pool = hipferry.PinnedPool(capacity="512MiB")
+        big = torch.ones(64 << 20)
+        x = torch.full((32 << 20,), 7.)
+        if {kind!r} == "pool":
+            x = hipferry.pin(x, pool=pool)
+        t0 = hipferry.prefetch(big, device)   # the worker is busy with this one
+        t1 = hipferry.prefetch(x, device, pool=pool)
+        free = {free!r}
+        if free == "set_":
+            x.set_()
+        elif free == "storage_resize":
+            x.untyped_storage().resize_(0)
+        elif free == "resize_":
+            x.resize_(1 << 27)   # a larger storage: the old memory is freed
+        else:
+            del x
+        junk = [torch.full((32 << 20,), -1.) for _ in range(3)]  # reuse what was freed
+        y = t1.wait()
+        t0.wait()
+        print("ok", bool((y == 7).all()), y.numel(), flush=True)
+    """)
+    assert r.returncode == 0, f"rc {r.returncode} (-11: SIGSEGV): {r.stdout} {r.stderr[-2000:]}"
+    assert r.stdout.strip() == f"ok True {32 << 20}", r.stdout
+
+
+def test_source_written_after_prefetch_is_copied_as_it_was(device):
+    """A pageable source is held copy-on-write: a write by the caller after
+    prefetch() copies the caller's side, the transfer reads the old values."""
+    x = torch.full((4 * MiB,), 3.0)
+    hold(device)
+    t = hipferry.prefetch(x, device)
+    x.add_(1)
+    assert torch.equal(t.wait().cpu(), torch.full((4 * MiB,), 3.0))
+    assert torch.equal(x, torch.full((4 * MiB,), 4.0))
+
+
+def test_capacity_error_is_not_raised_for_memory_of_completed_transfers(device):
+    """A dropped handle's results go back to the pool once its copy completed;
+    an allocation over the capacity collects them first (before, the block
+    came back only when a later transfer call polled: a false OutOfMemoryError)."""
+    r = run_python(device, """
+        pool = hipferry.PinnedPool(capacity="8MiB")
+        big = torch.ones(64 << 20)
+        t0 = hipferry.prefetch(big, device)
+        t = hipferry.offload(torch.randn(1 << 20).to(device), pool=pool)  # 4 MiB result from the pool
+        del t
+        time.sleep(1)
+        x = pool.empty(5 << 18)  # 5 MiB: fits only once the 4 MiB block is back
+        print("ok", x.numel(), pool.stats()["reclaims"], flush=True)
+        t0.wait()
+    """)
+    assert r.returncode == 0, f"rc {r.returncode}: {r.stdout} {r.stderr[-2000:]}"
+    assert r.stdout.split() == ["ok", str(5 << 18), "1"], r.stdout
+
+
 def test_handle_dropped_without_waiting(device, pool):
     drain()
     pending = hipferry.transfer_stats()["pending_releases"]

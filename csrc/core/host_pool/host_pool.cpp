@@ -199,6 +199,7 @@ HostPool::Allocation HostPool::allocate(std::size_t bytes) {
                                                             : size;
   {
     std::unique_lock<std::mutex> lock(mutex_);
+    bool reclaimed = false;  // the reclaimer is asked once per allocation
     for (;;) {
       if (closed_) throw closed_error();
       if (Block* b = find_free(size, small)) {
@@ -219,6 +220,18 @@ HostPool::Allocation HostPool::allocate(std::size_t bytes) {
       if (segment_bytes > size) {
         segment_bytes = size;
         continue;
+      }
+      // ...then have those who hold blocks for completed work let go...
+      if (!reclaimed && reclaimer_) {
+        reclaimed = true;
+        std::function<std::size_t()> reclaim = reclaimer_;
+        lock.unlock();
+        const std::size_t released = reclaim();  // may deallocate blocks of this pool
+        lock.lock();
+        if (released > 0) {
+          ++stats_.reclaims;
+          continue;
+        }
       }
       // ...then wait for blocks parked on asynchronous work.
       if (!waiting_.empty() || waiting_in_flight_ > 0) {
@@ -439,6 +452,11 @@ bool HostPool::wait_for_waiting_blocks() {
   const PollResult r = poll_events(to_release, /*wait=*/true);
   release_segments(to_release);
   return r.polled > 0;
+}
+
+void HostPool::set_reclaimer(std::function<std::size_t()> reclaim) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  reclaimer_ = std::move(reclaim);
 }
 
 std::size_t HostPool::trim() {

@@ -40,6 +40,7 @@
 #pragma once
 
 #include <cstddef>
+#include <functional>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -89,6 +90,7 @@ struct PoolStats {
   std::size_t segments = 0;
   std::uint64_t cache_hits = 0;    // allocations served without the provider
   std::uint64_t cache_misses = 0;  // allocations that needed a new segment
+  std::uint64_t reclaims = 0;      // over-capacity allocations the reclaimer let go of memory for
   std::uint64_t system_allocs = 0;
   std::uint64_t system_frees = 0;
   std::uint64_t system_alloc_ns = 0;  // time spent inside provider allocate()
@@ -123,6 +125,12 @@ class HostPool {
 
   // Frees waiting blocks whose events have completed; returns how many.
   std::size_t process_events();
+  // Who else may hold this pool's blocks for work that has completed (the
+  // transfer engine's release list): an allocation that would fail for
+  // capacity first calls `reclaim` (no lock held; it may free blocks of this
+  // pool) and tries again if it let go of anything. `reclaim` returns how
+  // many holdings it let go of. nullptr: none.
+  void set_reclaimer(std::function<std::size_t()> reclaim);
   // Returns cached fully free segments (not the reserve) to the provider; returns bytes released.
   std::size_t trim();
   // No more allocations; cached memory and the reserve go back now, the rest
@@ -211,6 +219,7 @@ class HostPool {
   std::size_t pending_bytes_ = 0;      // capacity set aside for provider allocations in progress
   std::size_t fully_free_bytes_ = 0;   // bytes in non-reserve segments that are one free block
   bool closed_ = false;
+  std::function<std::size_t()> reclaimer_;  // see set_reclaimer (called with no lock held)
   PoolStats stats_;                    // counters; cached_free_bytes etc. derived in stats()
   std::size_t free_bytes_ = 0;         // sum of free block sizes
 };
