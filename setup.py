@@ -9,6 +9,7 @@ Environment:
     TORCH_CUDA_ARCH_LIST e.g. "8.0;9.0+PTX"    (or HIPFERRY_CUDA_ARCHS)
     HIPFERRY_BUILD_DIR   CMake build tree (default build/cmake-<python tag>)
     HIPFERRY_BUILD_TESTS ON to also build the C++ tests there (ctest --test-dir ...)
+    HIPFERRY_TEST_HOOKS  ON to compile the test hooks into the module (default: as HIPFERRY_BUILD_TESTS)
     HIPFERRY_GTEST_SOURCE_DIR  GoogleTest sources, where no GoogleTest package is installed
     MAX_JOBS             parallel compile jobs
 """
@@ -43,6 +44,7 @@ class CMakeBuild(build_ext):
             f"-DHIPFERRY_PYTHON={sys.executable}",
             f"-DHIPFERRY_OUTPUT_DIR={out_dir}",
             f"-DHIPFERRY_BUILD_TESTS={os.environ.get('HIPFERRY_BUILD_TESTS', 'OFF')}",
+            f"-DHIPFERRY_TEST_HOOKS={os.environ.get('HIPFERRY_TEST_HOOKS', os.environ.get('HIPFERRY_BUILD_TESTS', 'OFF'))}",
             "-DCMAKE_BUILD_TYPE=Release",
         ]
         if _have("ninja"):

@@ -47,13 +47,17 @@ pybind11_add_module(_C MODULE
   csrc/torch/pool_bindings.cpp
   csrc/torch/current_stream.cpp
   csrc/torch/transfer_engine.cpp
-  csrc/torch/transfer_paths.cpp
   csrc/torch/transfer_bindings.cpp
   csrc/torch/adamw_step.cpp
   csrc/torch/adamw_streamer.cpp
   csrc/torch/python_module.cpp)
 if(NOT HIPFERRY_RESOLVED_TARGET STREQUAL "cpu")
   target_sources(_C PRIVATE csrc/torch/copy_cast_gpu.cpp)
+endif()
+# Test and benchmark hooks (hipferry._C._testing): only in builds made for the tests.
+if(HIPFERRY_TEST_HOOKS)
+  target_sources(_C PRIVATE csrc/testing/test_hooks.cpp)
+  target_compile_definitions(_C PRIVATE HIPFERRY_TEST_HOOKS)
 endif()
 # The module is compiled with the C++ standard torch's headers ask for
 # (torch 2.15 demands C++20, older releases are C++17): the compiler tells,
@@ -69,7 +73,7 @@ else()
 endif()
 message(STATUS "hipferry: torch module compiled as C++${HIPFERRY_TORCH_CXX_STANDARD}, as torch requires")
 set_target_properties(_C PROPERTIES CXX_STANDARD ${HIPFERRY_TORCH_CXX_STANDARD})
-target_link_libraries(_C PRIVATE hipferry_runtime hipferry_torch)
+target_link_libraries(_C PRIVATE hipferry_engine hipferry_torch)
 target_compile_definitions(_C PRIVATE HIPFERRY_TORCH_VERSION="${HIPFERRY_TORCH_VERSION}")
 target_compile_options(_C PRIVATE -Wall -Wextra -Wno-unused-parameter)
 # Code pulled in from static archives stays private to the module. A toolchain

@@ -18,9 +18,9 @@ inline const char* hipferry_arch_name(const hipDeviceProp_t& p, char*, int) {
   return p.gcnArchName;
 }
 
-// Many copies in one runtime call. Not used on ROCm: hipMemcpyBatchAsync
-// (ROCm 7.1+) was a loop of single copies and rejected attributes in 7.2
-// (ROCm/clr#273), so hipferry's own batched kernel is the batched path there.
+// Many copies in one runtime call: hipferry binds no batched copy of HIP's
+// (whether to use one is the transfer engine's choice: BatchedCopy in
+// csrc/torch/transfer_paths.h), so the call reports "not supported".
 inline hipError_t hipferry_memcpy_batch_async(void* const*, const void* const*, const size_t*, size_t,
                                               hipStream_t) {
   return hipErrorNotSupported;
@@ -95,7 +95,6 @@ using hipEvent_t = cudaEvent_t;
 
 #define hipErrorNotSupported cudaErrorNotSupported
 
-#define hipErrorNotSupported cudaErrorNotSupported
 
 // Many copies in one runtime call: cudaMemcpyBatchAsync (CUDA 12.8+; 13.0
 // made its pointers const and dropped the failIdx argument). Each copy may

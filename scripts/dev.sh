@@ -97,7 +97,7 @@ check_gpu_builds() {
 # toolchain), installed into a folder of its own and tested with pytest.
 check_cpu_build() {
   step "CPU-only build of the torch extension, and the Python tests against it"
-  HIPFERRY_TARGET=cpu HIPFERRY_BUILD_DIR="$PWD/build/check-cpu-torch" HIPFERRY_BUILD_TESTS=OFF MAX_JOBS=$JOBS \
+  HIPFERRY_TARGET=cpu HIPFERRY_BUILD_DIR="$PWD/build/check-cpu-torch" HIPFERRY_BUILD_TESTS=OFF HIPFERRY_TEST_HOOKS=ON MAX_JOBS=$JOBS \
     quiet_pip $PY -m pip install --no-build-isolation --no-deps -q --upgrade --target build/check-cpu-site .
   PYTHONPATH="$PWD/build/check-cpu-site" $PY -c \
     "import hipferry; b = hipferry.build_info(); assert b['target'] == 'cpu', b; print('CPU-only build:', b)"

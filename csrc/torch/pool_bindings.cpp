@@ -6,7 +6,6 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstdint>
 #include <vector>
 
@@ -54,40 +53,6 @@ std::int64_t create(const std::string& provider, unsigned flags, int register_th
   return create_pinned_pool(config);
 }
 
-// Nanoseconds of each of `iterations` allocate+free pairs of `bytes`, after
-// one warm-up pair: the cached path, timed without Python in the loop.
-// kind: "pool_core" (HostPool directly), "pool_tensor" (pool_empty + free),
-// "torch_pinned" (at::empty(pin_memory=True)), "torch_cpu" (at::empty).
-std::vector<std::int64_t> bench_alloc_free(const std::string& kind, std::int64_t id, std::size_t bytes,
-                                           int iterations) {
-  const auto byte_options = at::TensorOptions().dtype(at::kByte);
-  const std::int64_t n = static_cast<std::int64_t>(bytes);
-  std::function<void()> pair;
-  std::shared_ptr<pool::HostPool> pool;
-  if (kind == "pool_core") {
-    pool = pinned_pool(id);
-    pair = [&] { pool->deallocate(pool->allocate(bytes).host); };
-  } else if (kind == "pool_tensor") {
-    pair = [&] { (void)pool_empty(id, {n}, at::kByte); };
-  } else if (kind == "torch_pinned") {
-    pair = [&] { (void)at::empty({n}, byte_options.pinned_memory(true)); };
-  } else if (kind == "torch_cpu") {
-    pair = [&] { (void)at::empty({n}, byte_options); };
-  } else {
-    throw std::invalid_argument("bench_alloc_free: kind must be pool_core, pool_tensor, torch_pinned or "
-                                "torch_cpu, got '" + kind + "'");
-  }
-  py::gil_scoped_release no_gil;
-  pair();
-  std::vector<std::int64_t> ns(static_cast<std::size_t>(std::max(iterations, 0)));
-  for (auto& t : ns) {
-    const auto t0 = std::chrono::steady_clock::now();
-    pair();
-    t = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
-  }
-  return ns;
-}
-
 }  // namespace
 
 void bind_pinned_pool(py::module_& m) {
@@ -117,8 +82,6 @@ void bind_pinned_pool(py::module_& m) {
   m.def("pool_record_use", [](std::int64_t id, std::uintptr_t host, int device, std::uintptr_t stream) {
     pinned_pool(id)->record_use(reinterpret_cast<void*>(host), pool::StreamUse{device, reinterpret_cast<void*>(stream)});
   });
-  m.def("pool_bench_alloc_free", &bench_alloc_free, py::arg("kind"), py::arg("pool"), py::arg("bytes"),
-        py::arg("iterations"));
 }
 
 }  // namespace hipferry

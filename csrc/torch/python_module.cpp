@@ -87,6 +87,9 @@ void bind_pinned_pool(py::module_& m);  // pool_bindings.cpp
 void bind_transfers(py::module_& m);    // transfer_bindings.cpp
 void bind_adamw(py::module_& m);        // adamw_step.cpp
 void bind_adamw_streamer(py::module_& m);  // adamw_streamer.cpp
+#if defined(HIPFERRY_TEST_HOOKS)
+void bind_test_hooks(py::module_& m);  // csrc/testing/test_hooks.cpp: built with the tests only
+#endif
 }
 
 PYBIND11_MODULE(_C, m) {
@@ -103,4 +106,7 @@ PYBIND11_MODULE(_C, m) {
   bind_transfers(m);
   bind_adamw(m);
   bind_adamw_streamer(m);
+#if defined(HIPFERRY_TEST_HOOKS)
+  bind_test_hooks(m);
+#endif
 }

@@ -97,8 +97,6 @@ void bind_transfers(py::module_& m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("transfer_batched_copy", [](const std::string& mode) { return translate_errors([&] {
           return set_batched_copy(mode); }); }, py::arg("mode") = "");
-  m.def("transfer_worker_sleep", [](double ms) { translate_errors([&] { transfer_worker_sleep(ms); }); },
-        py::arg("ms"));
   m.def("trace_start", [] {
     try {
       tracing::start();

@@ -5,6 +5,7 @@
 
 #include <ATen/ops/_lazy_clone.h>
 #include <ATen/ops/alias.h>
+#include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <c10/core/impl/COW.h>
 #include <c10/util/Exception.h>
@@ -12,16 +13,15 @@
 #include <pthread.h>
 
 #include <atomic>
-#include <chrono>
+#include <functional>
 #include <string>
-#include <thread>
 #include <utility>
 
 #include "csrc/torch/copy_cast_checks.h"
 #include "csrc/torch/current_stream.h"
 #include "csrc/torch/pinned_pool.h"
 #include "hip/trace_session.h"
-#include "csrc/torch/transfer_paths.h"
+#include "csrc/engine/transfer_paths.h"
 
 namespace hipferry {
 namespace {
@@ -61,7 +61,12 @@ class Engine {
   transfer::SerialWorker& worker() { return worker_; }
   engine::Counters& counters() { return counters_; }
   engine::PathContext context(std::shared_ptr<pool::HostPool> pool) {
-    return engine::PathContext{worker_, counters_, std::move(pool), batched_.load(), &runtime_batch_works_};
+    engine::PathContext ctx{worker_, counters_, std::move(pool), batched_.load(), &runtime_batch_works_, {}};
+    ctx.parallel_for = [](std::int64_t n, std::int64_t grain,
+                          const std::function<void(std::int64_t, std::int64_t)>& body) {
+      at::parallel_for(0, n, grain, body);  // torch's thread pool
+    };
+    return ctx;
   }
   void set_batched_copy(engine::BatchedCopy mode) { batched_.store(mode); }
   // "kernel", "runtime", or "kernel (the runtime has no batched copy)" once it said so.
@@ -459,8 +464,16 @@ std::shared_ptr<Transfer> start_transfer(TransferRequest r) {
     handle->completion_.event = done;
     try {
       if (prefetch) {
+        std::vector<at::Tensor>& keep = handle->keepalive_;
+        const auto scratch = [&keep, device](std::size_t bytes) -> void* {
+          // On the current (producer) stream, before the copy's start event: the
+          // copy is ordered after earlier uses of this memory.
+          keep.push_back(at::empty({static_cast<std::int64_t>(bytes)},
+                                   at::TensorOptions().dtype(at::kByte).device(c10::kCUDA, device)));
+          return keep.back().data_ptr();
+        };
         handle->completion_.ticket = engine::run_host_to_device(ctx, std::move(items), device, streams, done,
-                                                                handle->keepalive_, handle->outcome_);
+                                                                scratch, handle->outcome_);
       } else {
         engine::run_device_to_host(ctx, std::move(items), device, streams, std::move(done));
       }
@@ -516,12 +529,6 @@ void drain_transfer_worker() {
   worker.wait(worker.last_submitted());
 }
 
-void transfer_worker_sleep(double milliseconds) {
-  TORCH_CHECK_VALUE(milliseconds >= 0 && milliseconds <= 60000,
-                    "hipferry._C.transfer_worker_sleep: ms must be in [0, 60000], got ", milliseconds);
-  Engine::get().worker().submit([milliseconds] {
-    std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(milliseconds));
-  });
-}
+transfer::SerialWorker& transfer_worker() { return Engine::get().worker(); }
 
 }  // namespace hipferry

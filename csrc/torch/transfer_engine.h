@@ -53,6 +53,7 @@
 #include <string>
 #include <vector>
 
+#include "csrc/core/transfer/serial_worker.h"
 #include "hip/runtime.h"
 
 namespace hipferry {
@@ -161,7 +162,7 @@ std::string set_batched_copy(const std::string& mode);
 // trace ends with the host copies it saw start).
 void drain_transfer_worker();
 
-// Tests: queue a sleep on the transfer worker (holds later transfers in flight).
-void transfer_worker_sleep(double milliseconds);
+// The engine's worker thread (the test hooks queue work on it: csrc/testing).
+transfer::SerialWorker& transfer_worker();
 
 }  // namespace hipferry

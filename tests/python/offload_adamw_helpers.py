@@ -25,7 +25,7 @@ HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.05)
 # (parameter device, step_on): CPU params use the CPU engine, "auto" picks it (step_on="cpu" is the same engine:
 # ALL_ENGINES adds it for the main trajectory test only); GPU params run both engines.
 # "cpu-remote": CPU params through the CPU engine's GPU-parameter path (gradient copies started in
-# backward hooks, host working copies, copies back; OffloadAdamW's _cpu_params_as_remote test seam),
+# backward hooks, host working copies, copies back; CpuRemoteOffloadAdamW below),
 # so that path runs without a GPU too.
 ENGINES = [pytest.param(("cpu", "auto"), id="cpu-auto"),
            pytest.param(("cpu", "cpu-remote"), id="cpu-remote"),
@@ -40,6 +40,16 @@ ENGINE_PER_DEVICE = [pytest.param(("cpu", "auto"), id="cpu-auto"),
 def offload_adamw_class():
     from hipferry.optim import OffloadAdamW
     return OffloadAdamW
+
+
+class CpuRemoteOffloadAdamW(offload_adamw_class()):
+    """OffloadAdamW that treats CPU parameters as living elsewhere than their
+    state, as GPU parameters do: the remote paths (backward hooks, host working
+    copies, copies back) run on machines without a GPU. A test class, not an
+    option of the optimizer."""
+
+    def _is_remote(self, p):
+        return True
 
 
 class TinyNet(nn.Module):
@@ -233,11 +243,12 @@ def torch_adamw(params, **kw):
 
 
 def offload_adamw(params, step_on="auto", **kw):
+    cls = offload_adamw_class()
     if step_on == "cpu-remote":
-        step_on, kw = "cpu", dict(kw, _cpu_params_as_remote=True)
+        step_on, cls = "cpu", CpuRemoteOffloadAdamW
     args = dict(HYPER, min_offload_numel=MIN_OFFLOAD, step_on=step_on)
     args.update(kw)
-    return offload_adamw_class()(params, **args)
+    return cls(params, **args)
 
 
 def host_state_tensors(opt):

@@ -63,3 +63,19 @@ def test_build_never_writes_into_the_source_tree(tmp_path):
     if before.returncode != 0:
         pytest.skip("not a git checkout")
     assert before.stdout == after.stdout
+
+
+def test_test_hooks_are_not_part_of_the_production_module():
+    """The test and benchmark hooks live in hipferry._C._testing, compiled in
+    only with the tests (HIPFERRY_TEST_HOOKS); the module's own surface and
+    the optimizer's signature carry none of them."""
+    import inspect
+
+    from hipferry import _C
+    from hipferry.optim import OffloadAdamW
+    for name in ("transfer_worker_sleep", "pool_bench_alloc_free"):
+        assert not hasattr(_C, name), f"hipferry._C.{name} is a test hook in the production module"
+    assert "_cpu_params_as_remote" not in inspect.signature(OffloadAdamW).parameters
+    hooks = getattr(_C, "_testing", None)
+    if hooks is not None:
+        assert {"transfer_worker_sleep", "pool_bench_alloc_free"} <= set(dir(hooks))

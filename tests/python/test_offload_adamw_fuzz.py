@@ -39,7 +39,7 @@ max_norm / norm_type.
 Every example uses its own hipferry.PinnedPool(capacity=...) passed as pool=,
 and min_offload_numel=0 so the state lives in that pool. CPU parameters only
 (the CPU engine directly, and its GPU-parameter path through the
-_cpu_params_as_remote test seam); gradients on another device need a GPU and are
+the CpuRemoteOffloadAdamW test class); gradients on another device need a GPU and are
 not fuzzed here. Runs in well under a minute on 2 cores; derandomized, no example
 database, no shrinking unless HIPFERRY_FUZZ_SHRINK=1 (a failure prints its draws and
 notes: what was called, with what, and which check failed)."""
@@ -57,6 +57,7 @@ import torch
 
 import hipferry
 from hipferry.optim import OffloadAdamW
+from offload_adamw_helpers import CpuRemoteOffloadAdamW
 
 try:
     from hypothesis import HealthCheck, Phase, given, note, settings
@@ -491,8 +492,9 @@ class Rig:
             specs.append({"params": list(params), **{k: c.make() for k, c in over.items()}})
             twin_specs.append({"params": [self.twins[id(p)] for p in params], **{k: c.twin for k, c in over.items()}})
         try:
-            self.opt = OffloadAdamW(specs, pool=self.pool, min_offload_numel=0, skip_nonfinite=self.skip,
-                                    **({"step_on": "cpu", "_cpu_params_as_remote": True} if self.remote else {}))
+            cls = CpuRemoteOffloadAdamW if self.remote else OffloadAdamW
+            self.opt = cls(specs, pool=self.pool, min_offload_numel=0, skip_nonfinite=self.skip,
+                           **({"step_on": "cpu"} if self.remote else {}))
         except Exception as e:  # noqa: BLE001
             raise AssertionError(f"a valid configuration was rejected: {type(e).__name__}: {e}") from None
         self.twin = torch.optim.AdamW(twin_specs, **DEFAULTS)
@@ -1215,9 +1217,11 @@ def test_fuzz_constructor(data):
     note(f"verdict {verdict}")
     snap = Snapshot(all_params, pool)
     kw = dict(options, pool=pool, min_offload_numel=0)
+    cls = OffloadAdamW
     if remote:
-        kw.update(step_on="cpu", _cpu_params_as_remote=True)
-    accepted, opt = expect(lambda: OffloadAdamW(argument, **kw), verdict, snap, pool, "OffloadAdamW(...)")
+        kw.update(step_on="cpu")
+        cls = CpuRemoteOffloadAdamW
+    accepted, opt = expect(lambda: cls(argument, **kw), verdict, snap, pool, "OffloadAdamW(...)")
     if not accepted:
         return
     defaults = dict(DEFAULTS, **{k: options[k] for k in CORE_KEYS if k in options})

@@ -8,7 +8,7 @@ inputs, generic optimizer tests and tolerances apply to it.
 
 Every test runs on the CPU engine as ``OffloadAdamW(params, ...)`` ("cpu-auto")
 and through its GPU-parameter path on CPU params ("cpu-remote":
-``step_on="cpu", _cpu_params_as_remote=True``), and on GPU parameters with
+``CpuRemoteOffloadAdamW(step_on="cpu")``), and on GPU parameters with
 both engines ("cuda-cpu", "cuda-gpu"; skipped without a GPU). State lives in
 the pool (``min_offload_numel=0``).
 

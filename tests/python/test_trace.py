@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import hipferry
-from conftest import requires_gpu
+from conftest import requires_gpu, requires_test_hooks
 
 MiB = 2**20
 DEVICES = ["cpu", pytest.param("cuda", marks=requires_gpu)]
@@ -170,10 +170,11 @@ def test_gpu_copies_are_timed_on_a_stream_track():
     assert tracks and all("cuda" in t or "stream" in t for t in tracks), tracks
 
 
+@requires_test_hooks
 def test_host_copy_in_flight_when_the_trace_ends_is_recorded():
     src = torch.ones(MiB)  # 4 MiB: above the inline limit, a worker task
     with hipferry.trace() as tr:
-        hipferry._C.transfer_worker_sleep(100)
+        hipferry._C._testing.transfer_worker_sleep(100)
         t = hipferry.prefetch(src, "cpu")
     copies = [e for e in tr.events if e["category"] == "copy"]
     assert [e["bytes"] for e in copies] == [src.nbytes], tr.events

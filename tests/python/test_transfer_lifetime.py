@@ -39,9 +39,10 @@ def run_python(device, body):
         pytest.fail(f"hung for 60 s (a deadlock?); it printed {e.stdout!r}")
 
 
+@requires_test_hooks
 def test_ready_never_blocks_while_another_thread_waits(device):
     r = run_python(device, """
-        hipferry._C.transfer_worker_sleep(3000)
+        hipferry._C._testing.transfer_worker_sleep(3000)
         t = hipferry.prefetch(torch.ones(1 << 20), device)
         inside = threading.Event()
         waiter = threading.Thread(target=lambda: (inside.set(), t.wait()))
@@ -57,10 +58,11 @@ def test_ready_never_blocks_while_another_thread_waits(device):
     assert r.stdout.split("\n")[:2] == ["ready while held: False", "ready after: True"], r.stdout
 
 
+@requires_test_hooks
 def test_interpreter_exits_with_transfers_in_flight(device):
     r = run_python(device, """
         pool = hipferry.PinnedPool(capacity="64MiB")
-        hipferry._C.transfer_worker_sleep(300)
+        hipferry._C._testing.transfer_worker_sleep(300)
         kept = hipferry.prefetch(hipferry.pin(torch.ones(1 << 20), pool=pool), device, pool=pool)
         hipferry.prefetch(torch.ones(1 << 20), device)  # dropped at once
         offloaded = hipferry.offload([torch.ones(1000).to(device)], pool=pool)
@@ -221,13 +223,14 @@ def test_no_leak_over_many_iterations(device):
             p.check_invariants()
 
 
+@requires_test_hooks
 def test_forked_child_refuses_the_parents_transfer_and_copies_on_its_own():
     r = run_python("cpu", """
         import os
         import numpy as np
         src = torch.arange(1 << 20, dtype=torch.float32)  # 4 MiB: a worker task
         src1 = src + 1  # before the fork: torch's OpenMP pool does not survive one (libgomp)
-        hipferry._C.transfer_worker_sleep(300)
+        hipferry._C._testing.transfer_worker_sleep(300)
         inherited = hipferry.prefetch(src, "cpu")
         pid = os.fork()
         if pid == 0:

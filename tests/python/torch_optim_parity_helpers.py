@@ -34,7 +34,7 @@ from torch.testing._comparison import get_tolerances  # noqa: E402
 if not _FLAGS_WERE_FROZEN:
     setattr(torch.backends, "__allow_nonbracketed_mutation_flag", True)
 
-from offload_adamw_helpers import ENGINES, offload_adamw_class  # noqa: E402
+from offload_adamw_helpers import ENGINES, CpuRemoteOffloadAdamW, offload_adamw_class  # noqa: E402
 
 ADAMW_INFO = next(o for o in co.optim_db if o.optim_cls is torch.optim.AdamW)
 # The configuration list of a CUDA device is the CPU list plus the capturable / Tensor lr / Tensor betas
@@ -106,10 +106,11 @@ def make_offload(engine, params, **kw):
     """OffloadAdamW on ``engine`` = (device, step_on) as in offload_adamw_helpers.ENGINES; AdamW's own
     defaults (not the helpers' HYPER) and min_offload_numel=0 so that every state lives in the pool."""
     _, step_on = engine
+    cls = offload_adamw_class()
     if step_on == "cpu-remote":
-        step_on, kw = "cpu", dict(kw, _cpu_params_as_remote=True)
+        step_on, cls = "cpu", CpuRemoteOffloadAdamW
     kw.setdefault("min_offload_numel", 0)
-    return offload_adamw_class()(params, step_on=step_on, **kw)
+    return cls(params, step_on=step_on, **kw)
 
 
 def make_reference(params, kwargs):

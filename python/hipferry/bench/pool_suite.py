@@ -4,7 +4,9 @@
   timed in C++ without Python in the loop: the pool's core, a pool tensor
   (the op torch.ops.hipferry.pool_empty), torch's pinned allocator (GPU) and
   torch's CPU allocator (malloc). Baseline: torch pinned on a GPU, torch cpu
-  otherwise.
+  otherwise. The C++ timing loop is a hook built with the tests only
+  (hipferry._C._testing); a production build times the same pairs from
+  Python instead (the contenders' names say so) and has no "allocator" row.
 - overhead: reserved/requested bytes at the peak of a mixed workload shaped
   like offloaded fine-tuning of a transformer (bf16 weights, fp32 master and
   Adam moments, odd-sized norms and biases, layers freed and re-allocated);
@@ -38,17 +40,21 @@ def _alloc_free(ctx, rows, gpu):
     sizes = [256, 4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB] + ([] if ctx.quick else [64 * MiB])
     iters = 200 if ctx.quick else 5000
     rounds = 2 if ctx.quick else max(3, ctx.repeats)
-    contenders = ["pool_core", "pool_tensor", "torch_cpu"] + (["torch_pinned"] if gpu else [])
+    hooks = getattr(_C, "_testing", None)
+    contenders = (["pool_core"] if hooks else []) + ["pool_tensor", "torch_cpu"] + (["torch_pinned"] if gpu else [])
     names = {"pool_core": "hipferry pool (allocator)", "pool_tensor": "hipferry pool.empty (tensor)",
              "torch_cpu": "torch.empty (cpu, malloc)", "torch_pinned": "torch.empty(pin_memory=True)"}
+    if hooks is None:
+        names = {k: v + " [from Python]" for k, v in names.items()}
     baseline = "torch_pinned" if gpu else "torch_cpu"
     pool = PinnedPool()
+    time_pairs = hooks.pool_bench_alloc_free if hooks else _python_alloc_free
     for i, size in enumerate(sizes):
         ctx.progress("pool", i + 1, len(sizes), f"alloc+free {size} B")
         best = {k: (float("inf"), float("inf")) for k in contenders}
         for _ in range(rounds):  # interleaved rounds; keep each contender's best
             for k in contenders:
-                ns = _C.pool_bench_alloc_free(k, pool._id, size, iters)
+                ns = time_pairs(k, pool._id, size, iters)
                 ns.sort()
                 med, p99 = statistics.median(ns), ns[int(0.99 * (len(ns) - 1))]
                 best[k] = (min(best[k][0], med), min(best[k][1], p99))
@@ -58,6 +64,20 @@ def _alloc_free(ctx, rows, gpu):
             rows.append(_row("alloc+free p99", size, names[k], best[k][1], "ns", names[baseline],
                              best[baseline][1]))
     pool.close()
+
+
+def _python_alloc_free(kind, pool_id, size, iters):
+    """The pairs of the C++ hook, timed from Python (a production build has no hook)."""
+    make = {"pool_tensor": lambda: torch.ops.hipferry.pool_empty(pool_id, [size], torch.uint8),
+            "torch_cpu": lambda: torch.empty(size, dtype=torch.uint8),
+            "torch_pinned": lambda: torch.empty(size, dtype=torch.uint8, pin_memory=True)}[kind]
+    make()
+    out, clock = [], time.perf_counter_ns
+    for _ in range(iters):
+        t0 = clock()
+        make()  # the tensor dies at once: an allocate+free pair
+        out.append(clock() - t0)
+    return out
 
 
 def _workload(hidden, layers):

@@ -78,7 +78,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                  foreach: Optional[bool] = None, capturable: bool = False, differentiable: bool = False,
                  fused: Optional[bool] = None, step_on: str = "auto", pool: Optional[PinnedPool] = None,
                  min_offload_numel: int = 65536, chunk_numel: int = 1 << 21, ring_slots: int = 3,
-                 skip_nonfinite: bool = False, _cpu_params_as_remote: bool = False):
+                 skip_nonfinite: bool = False):
         defaults = dict(torch_group_defaults(), lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas,
                         eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize, foreach=foreach,
                         capturable=capturable, differentiable=differentiable, fused=fused)
@@ -107,7 +107,6 @@ class OffloadAdamW(torch.optim.Optimizer):
         # Test seam: run the CPU engine's path for GPU parameters (gradient copies
         # started by backward hooks, host working copies, copies back) on CPU
         # parameters, so machines without a GPU test it too.
-        self._cpu_params_as_remote = bool(_cpu_params_as_remote)
         self._slots: Dict[torch.Tensor, _Slot] = {}
         self._hooks: list = []
         self._streamers: Dict[int, Any] = {}     # GPU index -> _C.AdamWStreamer
@@ -248,7 +247,7 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def _is_remote(self, p: torch.Tensor) -> bool:
         """Whether the parameter lives elsewhere than its state (a GPU parameter)."""
-        return p.device.type == "cuda" or self._cpu_params_as_remote
+        return p.device.type == "cuda"
 
     # ------------------------------------------------------- backward hooks
     def _on_grad_ready(self, p: torch.Tensor) -> None:
@@ -672,8 +671,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         return {"defaults": self.defaults, "state": self.state, "param_groups": self.param_groups,
                 "hipferry": dict(step_on=self._requested_step_on, min_offload_numel=self._min_offload_numel,
                                  chunk_numel=self._chunk_numel, ring_slots=self._ring_slots,
-                                 skip_nonfinite=self._skip_nonfinite,
-                                 _cpu_params_as_remote=self._cpu_params_as_remote),
+                                 skip_nonfinite=self._skip_nonfinite),
                 "counters": dict(skipped_steps=self.skipped_steps, last_step_skipped=self.last_step_skipped)}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:

@@ -1,11 +1,13 @@
 // How the transfer engine executes one transfer, per direction (see
-// Note [hipferry transfer engine] in transfer_engine.h). Raw addresses only:
-// the engine resolves tensors into CopyItems and keeps them alive.
+// Note [hipferry transfer engine] in csrc/torch/transfer_engine.h). Torch-free:
+// raw addresses only; the ATen layer resolves tensors into CopyItems, keeps
+// them alive, and lends torch's thread pool and device allocator through
+// PathContext. Pageable chunks go through a SlotRing of pool blocks (Note
+// [copy scheduler]).
 #pragma once
 
-#include <ATen/core/Tensor.h>
-
 #include <atomic>
+#include <functional>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -13,6 +15,7 @@
 #include <vector>
 
 #include "csrc/core/element_type.h"
+#include "csrc/core/schedule/outcome.h"
 #include "csrc/core/host_pool/host_pool.h"
 #include "hip/runtime.h"
 #include "csrc/core/transfer/serial_worker.h"
@@ -41,7 +44,10 @@ struct Counters {
 
 // How a batch of small pinned tensors moves: hipferry's batched kernel (one
 // launch, gathering/scattering through mapped memory; converts too), or the
-// runtime's batched copy (one call, copy engines; byte copies only).
+// runtime's batched copy (one call, copy engines; byte copies only). The
+// runtime's is CUDA's cudaMemcpyBatchAsync (12.8+); ROCm's hipMemcpyBatchAsync
+// (7.1+) is not used: it was a loop of single copies and rejected attributes
+// in 7.2 (ROCm/clr#273), so the kernel is the batched path there.
 enum class BatchedCopy { kKernel, kRuntime };
 
 struct PathContext {
@@ -50,22 +56,15 @@ struct PathContext {
   std::shared_ptr<pool::HostPool> pool;  // staging blocks and job tables
   BatchedCopy batched = BatchedCopy::kKernel;
   std::atomic<bool>* runtime_batch_works = nullptr;  // cleared when the runtime says it has none
+  // Runs body(begin, end) over [0, n) in pieces of at least `grain` on the
+  // host's thread pool (torch's: staging one thread copies ~10 GB/s, a host
+  // link carries 25-55 GB/s). Empty: one piece on the calling thread.
+  std::function<void(std::int64_t n, std::int64_t grain, const std::function<void(std::int64_t, std::int64_t)>& body)>
+      parallel_for;
 };
 
-// What a worker task reports. Tasks never throw into the worker: every waiter
-// of a transfer must see the same error (SerialWorker::wait hands a task's
-// exception to its first waiter only).
-class TaskOutcome {
- public:
-  void fail(const std::string& why);  // keeps the first error
-  bool failed() const;
-  std::string error() const;
-
- private:
-  mutable std::mutex mutex_;  // guards the two below
-  bool failed_ = false;
-  std::string error_;
-};
+// What a worker task reports: every waiter of a transfer sees the same error.
+using TaskOutcome = schedule::Outcome;
 
 // The streams of one GPU transfer.
 struct GpuStreams {
@@ -79,14 +78,15 @@ struct GpuStreams {
 // copy is ordered after the work that produced the sources. It returns the
 // worker ticket that ends the transfer (0 when the worker is not involved);
 // `done` is recorded after all of the transfer's stream work (by the worker
-// when it is involved). Device buffers the copy needs are appended to
-// `scratch` (keep them until completion). Errors before anything is queued
+// when it is involved). Device buffers the copy needs come from
+// `allocate_scratch(bytes)` (device memory the caller keeps until
+// completion, allocated in the producer stream's order). Errors before anything is queued
 // throw; a throw after that leaves `done` unrecorded (synchronize the
 // streams before letting go of anything); worker errors go to `outcome`.
 
 // Host -> device.
 std::uint64_t run_host_to_device(PathContext& ctx, std::vector<CopyItem> items, int device, const GpuStreams& streams,
-                                 std::shared_ptr<rt::Event> done, std::vector<at::Tensor>& scratch,
+                                 std::shared_ptr<rt::Event> done, const std::function<void*(std::size_t)>& allocate_scratch,
                                  std::shared_ptr<TaskOutcome> outcome);
 // Device -> host (the destinations are host addresses, mapped where possible).
 void run_device_to_host(PathContext& ctx, std::vector<CopyItem> items, int device, const GpuStreams& streams,

@@ -1,8 +1,5 @@
 // The transfer engine's execution paths (see transfer_paths.h).
-#include "csrc/torch/transfer_paths.h"
-
-#include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
+#include "csrc/engine/transfer_paths.h"
 
 #include <algorithm>
 #include <cstring>
@@ -12,6 +9,9 @@
 #include "hip/batched_copy_kernel.h"
 #include "hip/copy_cast_kernel.h"
 #include "csrc/core/copy_cast_cpu.h"
+#include "csrc/core/schedule/host_streams.h"
+#include "csrc/core/schedule/slot_ring.h"
+#include "hip/gpu_stream.h"
 #include "hip/trace_session.h"
 #include "csrc/core/transfer/transfer_plan.h"
 
@@ -37,15 +37,19 @@ void host_copy(const CopyItem& it, std::int64_t first, std::int64_t n, void* out
   }
 }
 
-// The same on torch's thread pool, for staging pageable memory towards a GPU:
-// one thread copies about 10 GB/s, a host link carries 25-55 GB/s. (The CPU
-// path stays on one thread: there the caller's compute needs the cores.)
+// The same on the host's thread pool, for staging pageable memory towards a
+// GPU. (The CPU path stays on one thread: there the caller's compute needs the cores.)
 constexpr std::int64_t kParallelGrainBytes = std::int64_t{1} << 20;
-void host_copy_parallel(const CopyItem& it, std::int64_t first, std::int64_t n, void* out) {
+void host_copy_parallel(const PathContext& ctx, const CopyItem& it, std::int64_t first, std::int64_t n, void* out) {
   const auto grain = std::max<std::int64_t>(1, kParallelGrainBytes / static_cast<std::int64_t>(it.src_element_bytes));
-  at::parallel_for(0, n, grain, [&](std::int64_t begin, std::int64_t end) {
+  const auto piece = [&](std::int64_t begin, std::int64_t end) {
     host_copy(it, first + begin, end - begin, static_cast<char*>(out) + begin * it.dst_element_bytes);
-  });
+  };
+  if (ctx.parallel_for) {
+    ctx.parallel_for(n, grain, piece);
+  } else {
+    piece(0, n);
+  }
 }
 
 // The trace track of hipferry's copy stream in one direction.
@@ -54,7 +58,6 @@ std::string copy_track(int device, bool to_device) {
 }
 
 char* byte_offset(void* p, std::size_t bytes) { return static_cast<char*>(p) + bytes; }
-const char* byte_offset(const void* p, std::size_t bytes) { return static_cast<const char*>(p) + bytes; }
 
 // A pool block released after `stream` has passed the work enqueued so far.
 // If even the event cannot be recorded, the block stays allocated: a leaked
@@ -135,13 +138,19 @@ void stage_batches(PathContext& ctx, const StagedJob& job, int device, rt::Strea
         ctx.pool->allocate(table_offset + gpu::batched_copy_table_bytes(batch.slots.size()));
     try {
       const std::int64_t t0 = tracing::now_ns();
-      at::parallel_for(0, static_cast<std::int64_t>(batch.slots.size()), 16, [&](std::int64_t lo, std::int64_t hi) {
+      const auto pack = [&](std::int64_t lo, std::int64_t hi) {
         for (std::int64_t k = lo; k < hi; ++k) {
           const transfer::PackedSlot& s = batch.slots[k];
           const CopyItem& it = job.items[s.item];
           host_copy(it, 0, it.elements, byte_offset(block.host, s.staging_offset));
         }
-      });
+      };
+      const auto count = static_cast<std::int64_t>(batch.slots.size());
+      if (ctx.parallel_for) {
+        ctx.parallel_for(count, 16, pack);
+      } else {
+        pack(0, count);
+      }
       tracing::add_host_span("pack " + std::to_string(batch.slots.size()) + " tensors", "pack",
                              tracing::worker_track(), t0, tracing::now_ns(), batch.staging_bytes);
       char* scratch = byte_offset(job.scratch, job.scratch_offsets[b]);
@@ -174,45 +183,47 @@ void stage_batches(PathContext& ctx, const StagedJob& job, int device, rt::Strea
   }
 }
 
+// Large pageable items, chunk by chunk through a ring of pool blocks (a
+// SlotRing): the worker packs a chunk into a block (the ring's first stage,
+// on the host), the staging stream copies it to the device (the last stage);
+// a block is packed again only once its previous copy has left it.
 void stage_chunks(PathContext& ctx, const StagedJob& job, int device, rt::StreamHandle stream) {
   if (job.plan.chunks.empty()) return;
   std::size_t slot_bytes = 0;
   for (const Chunk& c : job.plan.chunks) {
     slot_bytes = std::max(slot_bytes, c.elements * job.items[c.item].dst_element_bytes);
   }
-  struct Slot {
-    pool::HostPool::Allocation block;
-    std::unique_ptr<rt::Event> copied;  // recorded after the copy out of `block`
-  };
-  std::vector<Slot> ring;
+  const std::size_t slots = std::min(kStagingRing, job.plan.chunks.size());
+  schedule::SlotRing ring(slots);
+  schedule::ImmediateStream host(tracing::worker_track(), tracing::host_spans());
+  gpu::GpuStream staging(device, stream, tracing::stream_track(device, tracing::CopyStream::kStaging));
+  std::vector<pool::HostPool::Allocation> blocks;
   try {
-    for (std::size_t k = 0; k < job.plan.chunks.size(); ++k) {
-      const Chunk& c = job.plan.chunks[k];
+    for (const Chunk& c : job.plan.chunks) {
+      const std::size_t k = ring.next_slot();
+      if (k == blocks.size()) blocks.push_back(ctx.pool->allocate(slot_bytes));
       const CopyItem& it = job.items[c.item];
-      if (ring.size() < kStagingRing && k == ring.size()) {
-        auto copied = std::make_unique<rt::Event>(device);  // first: a throw here leaks no block
-        ring.push_back(Slot{ctx.pool->allocate(slot_bytes), std::move(copied)});
-      } else {
-        ring[k % ring.size()].copied->synchronize();  // its previous chunk has left the block
-      }
-      Slot& slot = ring[k % ring.size()];
-      const std::int64_t t0 = tracing::now_ns();
-      host_copy_parallel(it, static_cast<std::int64_t>(c.first_element), static_cast<std::int64_t>(c.elements),
-                         slot.block.host);
       const std::size_t bytes = c.elements * it.dst_element_bytes;
-      tracing::add_host_span("stage chunk", "pack", tracing::worker_track(), t0, tracing::now_ns(), bytes);
-      tracing::StreamSpan span(device, stream, tracing::stream_track(device, tracing::CopyStream::kStaging),
-                               "staged copy", "copy", bytes);
-      rt::memcpy_async(byte_offset(it.dst, c.first_element * it.dst_element_bytes), slot.block.host, bytes, stream);
-      span.end();
-      slot.copied->record(stream);
+      void* block = blocks[k].host;
+      ring.acquire(k, host);  // its previous chunk has left the block
+      schedule::Work pack;
+      pack.label = schedule::Label{"stage chunk", "pack", bytes};
+      pack.on_host = [&ctx, &it, &c, block] {
+        host_copy_parallel(ctx, it, static_cast<std::int64_t>(c.first_element), static_cast<std::int64_t>(c.elements),
+                           block);
+      };
+      host.enqueue(std::move(pack));
+      ring.pass(k, host, staging);
+      staging.copy(byte_offset(it.dst, c.first_element * it.dst_element_bytes), block, bytes,
+                   schedule::Label{"staged copy", "copy", bytes});
+      ring.release(k, staging);
       ctx.counters.staged_chunks += 1;
     }
   } catch (...) {
-    for (Slot& s : ring) release_after_stream(*ctx.pool, s.block.host, device, stream);
+    for (auto& b : blocks) release_after_stream(*ctx.pool, b.host, device, stream);
     throw;
   }
-  for (Slot& s : ring) release_after_stream(*ctx.pool, s.block.host, device, stream);
+  for (auto& b : blocks) release_after_stream(*ctx.pool, b.host, device, stream);
 }
 
 // One copy (or one copy_cast kernel) for a whole large item.
@@ -302,38 +313,10 @@ std::shared_ptr<rt::Event> record_start(int device, const GpuStreams& streams) {
   return start;
 }
 
-template <class F>
-void report_errors(TaskOutcome& outcome, const char* what, F&& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    outcome.fail(std::string(what) + ": " + e.what());
-  } catch (...) {
-    outcome.fail(std::string(what) + ": unknown error");
-  }
-}
-
 }  // namespace
 
-void TaskOutcome::fail(const std::string& why) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (failed_) return;
-  failed_ = true;
-  error_ = why;
-}
-
-bool TaskOutcome::failed() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return failed_;
-}
-
-std::string TaskOutcome::error() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return error_;
-}
-
 std::uint64_t run_host_to_device(PathContext& ctx, std::vector<CopyItem> items, int device, const GpuStreams& streams,
-                                 std::shared_ptr<rt::Event> done, std::vector<at::Tensor>& scratch,
+                                 std::shared_ptr<rt::Event> done, const std::function<void*(std::size_t)>& allocate_scratch,
                                  std::shared_ptr<TaskOutcome> outcome) {
   rt::DeviceGuard guard(device);
   std::vector<CopyItem> pinned;
@@ -348,12 +331,7 @@ std::uint64_t run_host_to_device(PathContext& ctx, std::vector<CopyItem> items, 
       job->scratch_offsets.push_back(scratch_bytes);
       scratch_bytes = round_up(scratch_bytes + b.staging_bytes, kAlign);
     }
-    if (scratch_bytes > 0) {
-      at::Tensor buffer = at::empty({static_cast<std::int64_t>(scratch_bytes)},
-                                    at::TensorOptions().dtype(at::kByte).device(c10::kCUDA, device));
-      job->scratch = buffer.data_ptr();
-      scratch.push_back(std::move(buffer));
-    }
+    if (scratch_bytes > 0) job->scratch = allocate_scratch(scratch_bytes);
   }
   auto start = record_start(device, streams);
   run_direct(ctx, pinned, device, streams.copy, /*to_device=*/true);
@@ -369,13 +347,13 @@ std::uint64_t run_host_to_device(PathContext& ctx, std::vector<CopyItem> items, 
   PathContext worker_ctx = ctx;
   const rt::StreamHandle staging = streams.staging;
   return ctx.worker.submit([worker_ctx, job, device, staging, start, direct_done, done, outcome]() mutable {
-    report_errors(*outcome, "staging pageable tensors", [&] {
+    outcome->run("staging pageable tensors", [&] {
       rt::DeviceGuard worker_guard(device);
       start->block_stream(staging);
       stage_batches(worker_ctx, *job, device, staging);
       stage_chunks(worker_ctx, *job, device, staging);
     });
-    report_errors(*outcome, "recording the completion", [&] {  // also after a failure: it covers what was queued
+    outcome->run("recording the completion", [&] {  // also after a failure: it covers what was queued
       rt::DeviceGuard worker_guard(device);
       direct_done->block_stream(staging);
       done->record(staging);
@@ -418,7 +396,7 @@ std::uint64_t run_on_host(PathContext& ctx, std::vector<CopyItem> items, std::sh
   }
   ctx.counters.worker_tasks += 1;
   return ctx.worker.submit([items = std::move(items), outcome, produced] {
-    report_errors(*outcome, "copying on the worker", [&] {
+    outcome->run("copying on the worker", [&] {
       if (produced) produced->synchronize();
       copy_on_host(items, tracing::worker_track());
     });

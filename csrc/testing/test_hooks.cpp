@@ -1,0 +1,82 @@
+// hipferry._C._testing: hooks for the tests and the pool benchmark. They are
+// compiled into the module only when the tests are built (CMake option
+// HIPFERRY_TEST_HOOKS, on with HIPFERRY_BUILD_TESTS); a production build has
+// none of them, and code that uses them checks for hipferry._C._testing.
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "csrc/core/host_pool/host_pool.h"
+#include "csrc/torch/pinned_pool.h"
+#include "csrc/torch/python_errors.h"
+#include "csrc/torch/transfer_engine.h"
+
+namespace py = pybind11;
+
+namespace hipferry {
+namespace {
+
+// Nanoseconds of each of `iterations` allocate+free pairs of `bytes`, after
+// one warm-up pair: the cached path, timed without Python in the loop.
+// kind: "pool_core" (HostPool directly), "pool_tensor" (pool_empty + free),
+// "torch_pinned" (at::empty(pin_memory=True)), "torch_cpu" (at::empty).
+std::vector<std::int64_t> bench_alloc_free(const std::string& kind, std::int64_t id, std::size_t bytes,
+                                           int iterations) {
+  const auto byte_options = at::TensorOptions().dtype(at::kByte);
+  const std::int64_t n = static_cast<std::int64_t>(bytes);
+  std::function<void()> pair;
+  std::shared_ptr<pool::HostPool> pool;
+  if (kind == "pool_core") {
+    pool = pinned_pool(id);
+    pair = [&] { pool->deallocate(pool->allocate(bytes).host); };
+  } else if (kind == "pool_tensor") {
+    pair = [&] { (void)pool_empty(id, {n}, at::kByte); };
+  } else if (kind == "torch_pinned") {
+    pair = [&] { (void)at::empty({n}, byte_options.pinned_memory(true)); };
+  } else if (kind == "torch_cpu") {
+    pair = [&] { (void)at::empty({n}, byte_options); };
+  } else {
+    throw std::invalid_argument("bench_alloc_free: kind must be pool_core, pool_tensor, torch_pinned or "
+                                "torch_cpu, got '" + kind + "'");
+  }
+  py::gil_scoped_release no_gil;
+  pair();
+  std::vector<std::int64_t> ns(static_cast<std::size_t>(std::max(iterations, 0)));
+  for (auto& t : ns) {
+    const auto t0 = std::chrono::steady_clock::now();
+    pair();
+    t = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+  }
+  return ns;
+}
+
+// Queues a sleep on the transfer worker: the transfers started next stay in flight.
+void transfer_worker_sleep(double milliseconds) {
+  TORCH_CHECK_VALUE(milliseconds >= 0 && milliseconds <= 60000,
+                    "hipferry._C._testing.transfer_worker_sleep: ms must be in [0, 60000], got ", milliseconds);
+  transfer_worker().submit([milliseconds] {
+    std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(milliseconds));
+  });
+}
+
+}  // namespace
+
+void bind_test_hooks(py::module_& m) {
+  py::module_ t = m.def_submodule("_testing", "Test and benchmark hooks (built with the tests only).");
+  t.def("transfer_worker_sleep", [](double ms) { translate_errors([&] { transfer_worker_sleep(ms); }); },
+        py::arg("ms"));
+  t.def("pool_bench_alloc_free", &bench_alloc_free, py::arg("kind"), py::arg("pool"), py::arg("bytes"),
+        py::arg("iterations"));
+}
+
+}  // namespace hipferry
