@@ -3,6 +3,8 @@
 #include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 
+#include "hip/runtime.h"
+
 namespace hipferry {
 namespace {
 
@@ -11,6 +13,24 @@ bool is_convertible_float(c10::ScalarType t) {
 }
 
 }  // namespace
+
+// Device-visible address of a tensor's data. Host tensors must be page-locked
+// and mapped; the address is always asked of the runtime, never assumed.
+void* copy_cast_device_address(const at::Tensor& t, const char* name, int device) {
+  if (!t.is_cpu()) return t.data_ptr();
+  void* base = t.storage().mutable_data();
+  void* mapped = nullptr;
+  try {
+    mapped = rt::host_device_pointer(base);
+  } catch (const rt::Error& e) {
+    TORCH_CHECK(false, "hipferry.copy_cast_: ", name,
+                " is pageable host memory (not page-locked and mapped into device ", device,
+                "); expected pinned memory: use hipferry's pool, tensor.pin_memory(), or a plain "
+                ".to() for pageable tensors. Runtime said: ", e.what());
+  }
+  const auto offset = static_cast<char*>(t.data_ptr()) - static_cast<char*>(base);
+  return static_cast<char*>(mapped) + offset;
+}
 
 void check_copy_cast_args(const at::Tensor& dst, const at::Tensor& src) {
   TORCH_CHECK(dst.layout() == c10::kStrided, "hipferry.copy_cast_: dst must be a strided (dense) tensor, got layout ",

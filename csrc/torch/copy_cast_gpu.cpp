@@ -22,24 +22,6 @@
 namespace hipferry {
 namespace {
 
-// Device-visible address of a tensor's data. Host tensors must be page-locked
-// and mapped; the address is always asked of the runtime, never assumed.
-void* device_address(const at::Tensor& t, const char* name, int device) {
-  if (!t.is_cpu()) return t.data_ptr();
-  void* base = t.storage().mutable_data();
-  void* mapped = nullptr;
-  try {
-    mapped = rt::host_device_pointer(base);
-  } catch (const rt::Error& e) {
-    TORCH_CHECK(false, "hipferry.copy_cast_: ", name,
-                " is pageable host memory (not page-locked and mapped into device ", device,
-                "); expected pinned memory: use hipferry's pool, tensor.pin_memory(), or a plain "
-                ".to() for pageable tensors. Runtime said: ", e.what());
-  }
-  const auto offset = static_cast<char*>(t.data_ptr()) - static_cast<char*>(base);
-  return static_cast<char*>(mapped) + offset;
-}
-
 void copy_cast_gpu_kernel(at::Tensor& dst, const at::Tensor& src) {
   check_copy_cast_args(dst, src);
   TORCH_CHECK(dst.is_cuda() || dst.is_cpu(), "hipferry.copy_cast_: dst must be on the CPU or a GPU, got ",
@@ -58,8 +40,8 @@ void copy_cast_gpu_kernel(at::Tensor& dst, const at::Tensor& src) {
   if (dst.numel() == 0 || copy_cast_is_noop(dst, src)) return;
 
   // Resolve both addresses before launching, so a rejected host tensor leaves dst untouched.
-  void* d = device_address(dst, "dst", device);
-  const void* s = device_address(src, "src", device);
+  void* d = copy_cast_device_address(dst, "dst", device);
+  const void* s = copy_cast_device_address(src, "src", device);
   const rt::StreamHandle stream = current_torch_stream(device);
   try {
     rt::DeviceGuard guard(device);

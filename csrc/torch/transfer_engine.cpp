@@ -434,7 +434,7 @@ std::shared_ptr<Transfer> start_transfer(TransferRequest r) {
   engine::PathContext ctx = engine.context(pool);
   engine.counters().transfers += 1;
   engine.counters().bytes += handle->nbytes_;
-  handle->outcome_ = std::make_shared<engine::TaskOutcome>();
+  handle->outcome_ = std::make_shared<schedule::Outcome>();
   if (!gpu) {
     // Pinned sources may still be written by a device->host copy queued on the
     // current stream: the host copy waits for it (pageable memory cannot be).

@@ -39,7 +39,7 @@
 //     pool reuses them only after the copy;
 //   * the worker never owns an at::Tensor (dropping one may need the GIL that
 //     a waiting caller holds); it sees raw pointers that the handle keeps
-//     valid, and reports errors through a TaskOutcome every waiter reads;
+//     valid, and reports errors through an Outcome every waiter reads;
 //   * no lock is held across a runtime call, a worker wait, or while tensors
 //     die; the Python bindings release the GIL around every call.
 #pragma once
@@ -53,6 +53,7 @@
 #include <string>
 #include <vector>
 
+#include "csrc/core/schedule/outcome.h"
 #include "csrc/core/transfer/serial_worker.h"
 #include "hip/runtime.h"
 
@@ -75,9 +76,6 @@ struct Completion {
   bool done() const;                  // never blocks
 };
 
-namespace engine {
-class TaskOutcome;
-}
 
 class Transfer {
  public:
@@ -114,7 +112,7 @@ class Transfer {
   // Set by start_transfer, then read-only:
   std::uint64_t generation_ = 0;  // fork_generation() when started
   Completion completion_;
-  std::shared_ptr<engine::TaskOutcome> outcome_;  // the worker part's error, if any
+  std::shared_ptr<schedule::Outcome> outcome_;  // the worker part's error, if any
   int copy_device_ = -1;                      // GPU of the copy, -1 for the host path
   rt::StreamHandle copy_stream_ = nullptr;     // hipferry's stream of this direction
   rt::StreamHandle staging_stream_ = nullptr;  // the worker's stream (prefetch)

@@ -208,6 +208,29 @@ def test_bfloat16_host_weights(device):
     fp32_handle.undo()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_ring_copies_show_on_the_trace(device, dtype):
+    """Every block copy into the ring is a span of hipferry.trace()'s timeline,
+    on the ring's own track, with the bytes it wrote (copies, or copy_cast
+    kernels from bf16 host weights)."""
+    model, _ = model_and_reference(make_mlp, device, d=128, hidden=(128, 128, 128))
+    handle = hipferry.offload_layers(model, device=device, dtype=dtype)
+    x = model.example(0, device)
+    with hipferry.trace() as tr:
+        model(x)
+        if device == "cuda":
+            torch.cuda.synchronize()
+    s = handle.stats()
+    name = "layer copy" if dtype is None else "layer copy_cast"
+    spans = [e for e in tr.events if e["name"] == name]
+    assert spans, [e["name"] for e in tr.events]
+    assert {e["track"] for e in spans} == {"cpu layer ring worker" if device == "cpu" else "gpu:0 layer ring stream"}
+    device_bytes = s["bytes_moved"] * (2 if dtype is not None else 1)  # bf16 host -> float32 slots
+    assert sum(e["bytes"] for e in spans) == device_bytes, (s, [e["bytes"] for e in spans])
+    handle.undo()
+
+
 # ------------------------------------------------------------------ explicit layers and undo
 @pytest.mark.parametrize("device", DEVICES)
 def test_explicit_layers_subset_and_duplicates(device):

@@ -12,13 +12,15 @@ Note [layer ring]
   needed furthest in the predicted future (never a pinned one, never one
   needed sooner than the block being brought in). A miss may take any
   unpinned slot; if every slot is pinned, the ring is too small: an error.
-* Ordering on a GPU: copies run on the ring's own stream, which first waits
-  for the work queued so far on the current stream -- so a copy into a slot is
-  ordered after every kernel that read the slot's previous block (they were
-  all queued before). Users wait on the copy's event with the current stream,
-  so the host never blocks. On the CPU the copies run on one worker thread;
-  compute there is synchronous, so a slot's readers are done when it is
-  refilled.
+* Ordering (hipferry._C.LayerCopier, on the copy scheduler: Python keeps the
+  policy, C++ runs the copies): on a GPU, copies run on the ring's own
+  stream, which first waits for the work queued so far on the current stream
+  -- so a copy into a slot is ordered after every kernel that read the slot's
+  previous block (they were all queued before). Users wait on the copy's
+  event with the current stream, so the host never blocks. On the CPU the
+  copies run on a worker thread of the ring's own; compute there is
+  synchronous, so a slot's readers are done when it is refilled. Either way
+  the copies show on hipferry.trace()'s timeline.
 * A resident block is reused without copying only while its host weights are
   unchanged: same parameter versions and no ``invalidate()`` since the copy
   (the offload calls it at the start of every model call; users may call it
@@ -27,75 +29,41 @@ Note [layer ring]
   thread, one at a time (the GIL and autograd's ordering serialize them).
 """
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from ..ops import copy_cast_
+from .. import _C
 from ..torch_private import tensor_version
 from .block_layout import Block
 
 LOG_LENGTH = 4096  # fetch/use events kept for inspection
 
 
-class _StreamCopier:
-    """Copies on a dedicated GPU stream; completion is an event."""
+class _Copier:
+    """The ring's copies, run by hipferry._C.LayerCopier on a copy scheduler
+    stream (Note [copy scheduler]): on a GPU a stream of its own that first
+    waits for the current stream; on the CPU a worker thread. Traced."""
 
     def __init__(self, device: torch.device):
-        self.device = device
-        self.stream = torch.cuda.Stream(device)
+        index = -1 if device.type == "cpu" else (device.index if device.index is not None
+                                                 else torch.cuda.current_device())
+        self.native = _C.LayerCopier(index)
 
     def start(self, pairs: List[Tuple[torch.Tensor, torch.Tensor]]) -> Any:
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            for dst, src in pairs:
-                # Same dtype: one async copy (pinned source: a DMA); else one kernel reading
-                # mapped host memory. Either way it shows on hipferry.trace()'s timeline.
-                copy_cast_(dst, src)
-        ev = torch.cuda.Event()
-        ev.record(self.stream)
-        return ev
+        return self.native.start([d for d, _ in pairs], [s for _, s in pairs])
 
-    def done(self, ev: Any) -> bool:
-        return ev.query()
+    def done(self, ticket: Any) -> bool:
+        return self.native.done(ticket)
 
-    def wait(self, ev: Any) -> None:
-        torch.cuda.current_stream(self.device).wait_event(ev)  # the host does not block
+    def wait(self, ticket: Any) -> None:
+        self.native.wait(ticket)  # GPU: the current stream waits, the host does not
 
     def drain(self) -> None:
-        self.stream.synchronize()
+        self.native.drain()
 
     close = drain
-
-
-class _ThreadCopier:
-    """Copies on one worker thread (device "cpu"); completion is a future."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hipferry-layers")
-
-    @staticmethod
-    def _copy(pairs: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:
-        for dst, src in pairs:
-            copy_cast_(dst, src)  # vectorized, multi-threaded; traced like the GPU copies
-
-    def start(self, pairs: List[Tuple[torch.Tensor, torch.Tensor]]) -> Any:
-        return self.pool.submit(self._copy, pairs)
-
-    def done(self, fut: Any) -> bool:
-        return fut.done()
-
-    def wait(self, fut: Any) -> None:
-        fut.result()
-
-    def drain(self) -> None:
-        self.pool.submit(lambda: None).result()  # one worker: runs after every earlier copy
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=True)
 
 
 @dataclass
@@ -135,7 +103,7 @@ class LayerRing:
         self.slot_bytes = max(b.slot_bytes for b in blocks)
         self.slots = [Slot(i, torch.empty(self.slot_bytes, dtype=torch.uint8, device=device))
                       for i in range(num_slots)]
-        self.copier = _StreamCopier(device) if device.type == "cuda" else _ThreadCopier(device)
+        self.copier = _Copier(device)
         self.resident: Dict[int, Slot] = {}
         self.by_storage = {s.storage.untyped_storage().data_ptr(): s for s in self.slots}
         self.stats = RingStats()
