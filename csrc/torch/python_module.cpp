@@ -88,6 +88,7 @@ void bind_transfers(py::module_& m);    // transfer_bindings.cpp
 void bind_adamw(py::module_& m);        // adamw_step.cpp
 void bind_adamw_streamer(py::module_& m);  // adamw_streamer.cpp
 void bind_layer_copier(py::module_& m);    // layer_copier.cpp
+void bind_in_flight_window(py::module_& m);  // in_flight_bindings.cpp
 #if defined(HIPFERRY_TEST_HOOKS)
 void bind_test_hooks(py::module_& m);  // csrc/testing/test_hooks.cpp: built with the tests only
 #endif
@@ -108,6 +109,7 @@ PYBIND11_MODULE(_C, m) {
   bind_adamw(m);
   bind_adamw_streamer(m);
   bind_layer_copier(m);
+  bind_in_flight_window(m);
 #if defined(HIPFERRY_TEST_HOOKS)
   bind_test_hooks(m);
 #endif

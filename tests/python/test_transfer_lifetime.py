@@ -250,3 +250,35 @@ def test_forked_child_refuses_the_parents_transfer_and_copies_on_its_own():
     """)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split() == ["child", "0", "parent", "True"], r.stdout
+
+
+def test_in_flight_window_bounds_transfers_and_settles_them_oldest_first(device):
+    """hipferry._C.InFlightWindow (the scheduler's bound, used by
+    offload_layers' gradient sink) over real transfers: admit() settles what
+    completed, waits for the oldest while the next would not fit, and runs
+    each entry's callback once, in order."""
+    from hipferry import _C
+    with pytest.raises(ValueError, match="max_bytes must be > 0"):
+        _C.InFlightWindow(0)
+    nbytes = WORKER_ELEMENTS * 4
+    window, settled, handles = _C.InFlightWindow(2 * nbytes), [], []
+    hold(device, 100)
+    for i in range(5):
+        window.admit(nbytes)
+        assert window.bytes + nbytes <= 2 * nbytes, "the bound holds once admitted"
+        t = hipferry.prefetch(torch.full((WORKER_ELEMENTS,), float(i)), device)
+        handles.append(t)
+        window.add(t._native, nbytes, lambda i=i: settled.append(i))
+    assert window.waits >= 1, "the first transfers were held in flight: admit had to wait"
+    window.drain()
+    assert settled == list(range(5)) and window.bytes == 0 and window.peak_bytes == 2 * nbytes
+    for i, t in enumerate(handles):
+        assert torch.equal(t.wait().cpu(), torch.full((WORKER_ELEMENTS,), float(i)))
+
+    def boom():
+        raise KeyError("from the callback")
+    t = hipferry.prefetch(torch.ones(8), device)
+    window.add(t._native, 8, boom)
+    with pytest.raises(KeyError, match="from the callback"):
+        window.drain()
+    assert window.entries == 0, "the entry was settled all the same"

@@ -9,17 +9,19 @@ produces them, accumulated into the host parameters' ``.grad`` at its end.
   bit-identical to the model without offload.
 * Device memory: a copy holds its device gradient until it completes, so
   completed copies are settled as new ones start, and more than
-  ``max_in_flight`` bytes in flight makes backward wait for the oldest.
+  ``max_in_flight`` bytes in flight makes backward wait for the oldest: the
+  copy scheduler's bound (hipferry._C.InFlightWindow, Note [copy scheduler])
+  decides when; settling hands the host result over.
 * A backward that raised never runs its callback; what it left is dropped
   at the next forward of the model (unwaited transfers are safe to drop).
 """
 import threading
-from collections import deque
 from functools import partial
-from typing import Any, Callable, Deque, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 
+from .. import _C
 from ..pool import PinnedPool
 from ..torch_private import current_graph_task_id, post_accumulate_grad_hooks, queue_end_of_backward
 from ..transfer import Transfer, offload
@@ -32,11 +34,18 @@ class GradSink:
         self.after_flush = after_flush
         # graph task id -> {id(param): (entry, [Transfer or host tensor, ...])}
         self.pending: Dict[int, Dict[int, Tuple[Any, List[Any]]]] = {}
-        self.in_flight: Deque[Tuple[List[Any], int, int]] = deque()  # (list, index, bytes), oldest first
-        self.in_flight_bytes = 0
-        self.peak_in_flight_bytes = 0
+        self.window = _C.InFlightWindow(max_in_flight)  # the copies in flight, oldest first
+        self._dropped_peak = 0  # peak of windows dropped with stale backwards
         self.bytes_moved = 0
         self.lock = threading.Lock()  # two GPUs: two autograd device threads
+
+    @property
+    def in_flight_bytes(self) -> int:
+        return self.window.bytes
+
+    @property
+    def peak_in_flight_bytes(self) -> int:
+        return max(self._dropped_peak, self.window.peak_bytes)
 
     def add(self, entry, grad: torch.Tensor) -> None:
         task = current_graph_task_id()
@@ -47,31 +56,17 @@ class GradSink:
                 queue_end_of_backward(partial(self.flush, task))
             dtype = entry.host_dtype if entry.host_dtype != grad.dtype else None
             nbytes = grad.numel() * grad.element_size()
-            self._settle(lambda: self.in_flight and self.in_flight_bytes + nbytes > self.max_in_flight)
+            self.window.admit(nbytes)  # completed copies settled; the oldest waited for while over the bound
             items = by_param.setdefault(id(entry.param), (entry, []))[1]
-            items.append(offload(grad, dtype=dtype, pool=self.pool))
-            self.in_flight.append((items, len(items) - 1, nbytes))
-            self.in_flight_bytes += nbytes
-            self.peak_in_flight_bytes = max(self.peak_in_flight_bytes, self.in_flight_bytes)
+            t = offload(grad, dtype=dtype, pool=self.pool)
+            items.append(t)
+            self.window.add(t._native, nbytes, partial(_hand_over, items, len(items) - 1))
             self.bytes_moved += grad.numel() * entry.host_dtype.itemsize
-
-    def _settle(self, must_wait: Callable[[], bool]) -> None:
-        """Hands completed copies' host results over (the engine lets go of the
-        device gradients); blocks on the oldest while `must_wait()`."""
-        while self.in_flight:
-            items, i, nbytes = self.in_flight[0]
-            t = items[i]
-            if isinstance(t, Transfer) and not t.ready() and not must_wait():
-                return
-            if isinstance(t, Transfer):
-                items[i] = t.wait()
-            self.in_flight.popleft()
-            self.in_flight_bytes -= nbytes
 
     def flush(self, task: int) -> None:
         with self.lock:
             by_param = self.pending.pop(task, {})
-            self._settle(lambda: True)  # every copy in flight (nested backwards' too): nothing waited twice
+            self.window.drain()  # every copy in flight (nested backwards' too): nothing waited twice
         self.after_flush()
         for entry, grads in by_param.values():  # all host tensors now
             total = grads[0]
@@ -90,5 +85,12 @@ class GradSink:
         """Outside backward: what is pending belongs to backwards that raised."""
         with self.lock:
             self.pending.clear()
-            self.in_flight.clear()
-            self.in_flight_bytes = 0
+            self._dropped_peak = self.peak_in_flight_bytes
+            self.window = _C.InFlightWindow(self.max_in_flight)  # unwaited transfers are safe to drop
+
+
+def _hand_over(items: List[Any], i: int) -> None:
+    """A settled copy: its host result replaces the Transfer (the engine lets go of the device gradient)."""
+    t = items[i]
+    if isinstance(t, Transfer):
+        items[i] = t.wait()

@@ -1,0 +1,92 @@
+"""A/B benchmark of two hipferry builds installed side by side, interleaved.
+
+    python scripts/bench_ab.py --a /tmp/old-site --b python --rounds 3 --out bench-ab \
+        transfer optim layers activations [--quick]
+
+Each round runs `python -m hipferry bench <suites>` once with build A on
+PYTHONPATH and once with build B (alternating which goes first), so both see
+the same machine state; every measurement keeps each build's best over the
+rounds. Prints, per suite and measured field, the geometric mean of B/A
+(time fields: < 1 is faster; rate fields: > 1 is faster) and writes the
+per-row table as JSON next to the runs.
+"""
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+from collections import defaultdict
+
+RATE_WORDS = ("gbps", "gb/s", "per_s", "throughput")
+
+
+def is_rate(field, row):
+    f = field.lower()
+    return any(w in f for w in RATE_WORDS) or str(row.get("unit", "")).lower() in ("gb/s", "gbps")
+
+
+def key_of(row):
+    return tuple(sorted((k, v) for k, v in row.items() if isinstance(v, (str, int, bool)) and not isinstance(v, float)))
+
+
+def run(site, suites, out, quick, device):
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(site))
+    cmd = [sys.executable, "-m", "hipferry", "bench", *suites, "--out", out, "--device", device]
+    if quick:
+        cmd.append("--quick")
+    print("$ PYTHONPATH=" + env["PYTHONPATH"] + " " + " ".join(cmd), flush=True)
+    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
+    return {s: json.load(open(os.path.join(out, f"{s}.json")))["rows"] for s in suites}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--a", required=True, help="site dir (or package parent) of build A (the baseline)")
+    ap.add_argument("--b", required=True, help="site dir of build B")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default="bench-ab")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("suites", nargs="+")
+    args = ap.parse_args()
+    best = {"a": defaultdict(dict), "b": defaultdict(dict)}  # build -> (suite, key) -> field -> best
+    rows_of = {}
+    for r in range(args.rounds):
+        order = ("a", "b") if r % 2 == 0 else ("b", "a")
+        for build in order:
+            print(f"round {r + 1}/{args.rounds}: build {build.upper()}", flush=True)
+            res = run(getattr(args, build), args.suites, os.path.join(args.out, f"{build}-{r + 1}"), args.quick,
+                      args.device)
+            for suite, rows in res.items():
+                for row in rows:
+                    k = (suite, key_of(row))
+                    rows_of[k] = row
+                    for f, v in row.items():
+                        if not isinstance(v, float) or f.startswith("vs_") or not math.isfinite(v) or v <= 0:
+                            continue
+                        old = best[build][k].get(f)
+                        better = max if is_rate(f, row) else min
+                        best[build][k][f] = v if old is None else better(old, v)
+    table, summary = [], defaultdict(list)
+    for k, fields in best["b"].items():
+        for f, vb in fields.items():
+            va = best["a"].get(k, {}).get(f)
+            if va is None:
+                continue
+            ratio = vb / va
+            table.append({"suite": k[0], "row": dict(k[1]), "field": f, "a": va, "b": vb, "b_over_a": ratio,
+                          "kind": "rate" if is_rate(f, rows_of[k]) else "time"})
+            summary[(k[0], f, table[-1]["kind"])].append(ratio)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "ab.json"), "w") as fh:
+        json.dump(table, fh, indent=1)
+    print(f"\n{'suite':<12} {'field':<24} {'kind':<5} {'rows':>4} {'geomean B/A':>12} {'min':>7} {'max':>7}")
+    for (suite, f, kind), rs in sorted(summary.items()):
+        g = math.exp(sum(math.log(x) for x in rs) / len(rs))
+        print(f"{suite:<12} {f:<24} {kind:<5} {len(rs):>4} {g:>12.3f} {min(rs):>7.3f} {max(rs):>7.3f}")
+    print(f"wrote {os.path.join(args.out, 'ab.json')}")
+
+
+if __name__ == "__main__":
+    main()
