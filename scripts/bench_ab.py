@@ -4,11 +4,15 @@
         transfer optim layers activations [--quick]
 
 Each round runs `python -m hipferry bench <suites>` once with build A on
-PYTHONPATH and once with build B (alternating which goes first), so both see
-the same machine state; every measurement keeps each build's best over the
-rounds. Prints, per suite and measured field, the geometric mean of B/A
-(time fields: < 1 is faster; rate fields: > 1 is faster) and writes the
-per-row table as JSON next to the runs.
+PYTHONPATH and once with build B (alternating which goes first). CPU timings
+on shared machines swing by 2x between runs, so each hipferry measurement is
+first divided by a baseline measured in the SAME run (`--baseline
+SUITE=CONTENDER_PREFIX`: the row of that contender with the same size / case;
+defaults below: memcpy for transfer, torch's fused AdamW for optim, the model
+without offload for layers and activations); then each build keeps its best
+normalized value over the rounds. Prints, per suite and field, the geometric
+mean of B/A over hipferry's rows (time fields: < 1 is faster; rate fields:
+> 1 is faster) and writes the per-row table as JSON next to the runs.
 """
 import argparse
 import json
@@ -19,6 +23,9 @@ import sys
 from collections import defaultdict
 
 RATE_WORDS = ("gbps", "gb/s", "per_s", "throughput")
+FIELDS = ("seconds", "step_s", "tokens_per_s", "GBps")  # primary measures; the rest are derived
+BASELINES = {"transfer": "memcpy", "optim": "torch AdamW fused=True", "layers": "no offload",
+             "activations": "no offload"}
 
 
 def is_rate(field, row):
@@ -26,8 +33,25 @@ def is_rate(field, row):
     return any(w in f for w in RATE_WORDS) or str(row.get("unit", "")).lower() in ("gb/s", "gbps")
 
 
-def key_of(row):
-    return tuple(sorted((k, v) for k, v in row.items() if isinstance(v, (str, int, bool)) and not isinstance(v, float)))
+def key_of(row, drop=()):
+    return tuple(sorted((k, v) for k, v in row.items()
+                        if isinstance(v, (str, int, bool)) and not isinstance(v, float) and k not in drop))
+
+
+def normalized(rows, prefix):
+    """Each row's primary fields divided by its group's baseline row (same run)."""
+    base = {}
+    for r in rows:
+        if prefix and str(r.get("contender", "")).startswith(prefix):
+            base.setdefault(key_of(r, ("contender",)), r)
+    out = []
+    for r in rows:
+        b = base.get(key_of(r, ("contender",)))
+        if b is None:
+            continue
+        out.append((r, {f: r[f] / b[f] for f in FIELDS
+                        if isinstance(r.get(f), float) and isinstance(b.get(f), float) and b[f] > 0 and r[f] > 0}))
+    return out
 
 
 def run(site, suites, out, quick, device):
@@ -48,6 +72,7 @@ def main():
     ap.add_argument("--out", default="bench-ab")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--baseline", action="append", default=[], metavar="SUITE=CONTENDER_PREFIX")
     ap.add_argument("suites", nargs="+")
     args = ap.parse_args()
     best = {"a": defaultdict(dict), "b": defaultdict(dict)}  # build -> (suite, key) -> field -> best
@@ -59,11 +84,14 @@ def main():
             res = run(getattr(args, build), args.suites, os.path.join(args.out, f"{build}-{r + 1}"), args.quick,
                       args.device)
             for suite, rows in res.items():
-                for row in rows:
+                prefix = dict(BASELINES, **dict(b.split("=", 1) for b in args.baseline)).get(suite)
+                for row, values in normalized(rows, prefix):
+                    if "hipferry" not in str(row.get("contender", "")):
+                        continue
                     k = (suite, key_of(row))
                     rows_of[k] = row
-                    for f, v in row.items():
-                        if not isinstance(v, float) or f.startswith("vs_") or not math.isfinite(v) or v <= 0:
+                    for f, v in values.items():
+                        if not math.isfinite(v):
                             continue
                         old = best[build][k].get(f)
                         better = max if is_rate(f, row) else min

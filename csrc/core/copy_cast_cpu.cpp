@@ -17,14 +17,13 @@
 #include "csrc/core/cpu/cpu_isa.h"
 #ifdef HIPFERRY_HAVE_AVX2_BUILD
 #include <immintrin.h>
-#define HIPFERRY_HAVE_F16C_PATH 1
 #endif
 namespace hipferry {
 namespace {
 
-#ifdef HIPFERRY_HAVE_F16C_PATH
-// The AVX2 build (cpu_isa.h) includes F16C: every AVX2 CPU has it.
-bool cpu_has_f16c() { return cpu::active_isa() == cpu::Isa::kAvx2; }
+#ifdef HIPFERRY_HAVE_AVX2_BUILD
+// The AVX2 build (cpu_isa.h) runs: its loops and the F16C conversions it includes.
+bool avx2_build_active() { return cpu::active_isa() == cpu::Isa::kAvx2; }
 #endif
 
 template <class From, class To>
@@ -36,12 +35,12 @@ template <class From, class To>
   }
 }
 
-#ifdef HIPFERRY_HAVE_F16C_PATH
+#ifdef HIPFERRY_HAVE_AVX2_BUILD
 // An AVX2 build of the portable loop, picked at run time: one binary, fast on
 // new CPUs, still correct on old ones. By hand rather than with target_clones,
 // which Clang (ROCm's host compiler) cannot apply to templates.
 template <class From, class To>
-__attribute__((target("avx2"))) void convert_range_avx2(const typename From::storage* src,
+HIPFERRY_AVX2_TARGET void convert_range_avx2(const typename From::storage* src,
                                                          typename To::storage* dst, std::int64_t n) {
   convert_body<From, To>(src, dst, n);
 }
@@ -49,14 +48,14 @@ __attribute__((target("avx2"))) void convert_range_avx2(const typename From::sto
 
 template <class From, class To>
 void convert_range_portable(const typename From::storage* src, typename To::storage* dst, std::int64_t n) {
-#ifdef HIPFERRY_HAVE_F16C_PATH
-  if (cpu_has_f16c()) return convert_range_avx2<From, To>(src, dst, n);
+#ifdef HIPFERRY_HAVE_AVX2_BUILD
+  if (avx2_build_active()) return convert_range_avx2<From, To>(src, dst, n);
 #endif
   convert_body<From, To>(src, dst, n);
 }
 
-#ifdef HIPFERRY_HAVE_F16C_PATH
-__attribute__((target("avx,f16c"))) void f32_to_f16_f16c(const float* src, std::uint16_t* dst,
+#ifdef HIPFERRY_HAVE_AVX2_BUILD
+HIPFERRY_AVX2_TARGET void f32_to_f16_f16c(const float* src, std::uint16_t* dst,
                                                        std::int64_t n) {
   std::int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
@@ -67,7 +66,7 @@ __attribute__((target("avx,f16c"))) void f32_to_f16_f16c(const float* src, std::
   for (; i < n; ++i) dst[i] = f32_to_f16_rne(src[i]);
 }
 
-__attribute__((target("avx,f16c"))) void f16_to_f32_f16c(const std::uint16_t* src, float* dst,
+HIPFERRY_AVX2_TARGET void f16_to_f32_f16c(const std::uint16_t* src, float* dst,
                                                        std::int64_t n) {
   std::int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
@@ -87,7 +86,7 @@ bool convert_range_f16c(const typename From::storage* src, typename To::storage*
   if constexpr (!from_f16 && !to_f16) {
     return false;
   } else {
-    if (!cpu_has_f16c()) return false;
+    if (!avx2_build_active()) return false;
     constexpr std::int64_t kBlock = 512;
     alignas(64) float block[kBlock];
     for (std::int64_t start = 0; start < n; start += kBlock) {
@@ -118,7 +117,7 @@ bool convert_range_f16c(const typename From::storage* src, typename To::storage*
 template <class From, class To>
 void convert_range(const typename From::storage* src, typename To::storage* dst,
                    std::int64_t n) {
-#ifdef HIPFERRY_HAVE_F16C_PATH
+#ifdef HIPFERRY_HAVE_AVX2_BUILD
   if (convert_range_f16c<From, To>(src, dst, n)) return;
 #endif
   convert_range_portable<From, To>(src, dst, n);
@@ -144,8 +143,8 @@ void copy_cast_cpu(const void* src, ElementType src_type, void* dst,
 }
 
 bool copy_cast_cpu_uses_f16c() {
-#ifdef HIPFERRY_HAVE_F16C_PATH
-  return cpu_has_f16c();
+#ifdef HIPFERRY_HAVE_AVX2_BUILD
+  return avx2_build_active();
 #else
   return false;
 #endif

@@ -3,10 +3,9 @@
 // owns the copy streams, the worker and the release list.
 #include "csrc/torch/transfer_engine.h"
 
-#include <ATen/ops/_lazy_clone.h>
-#include <ATen/ops/alias.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <c10/core/TensorImpl.h>
 #include <c10/core/impl/COW.h>
 #include <c10/util/Exception.h>
 
@@ -179,15 +178,20 @@ void* mapped_address(const at::Tensor& t) {
 //     points at (the pool's storages cannot be resized).
 // A source made here (made contiguous, conjugate or negation resolved) is
 // already the engine's own.
+// Built directly (no dispatcher call: this runs for every source of every
+// transfer, and a few microseconds matter at 4 KiB).
 at::Tensor held_source(const at::Tensor& given, at::Tensor src) {
   if (!src.is_same(given) || !src.has_storage()) return src;
+  c10::Storage storage = src.storage();
   if (src.is_cpu()) {
-    const c10::StorageImpl& storage = *src.storage().unsafeGetStorageImpl();
-    if (c10::impl::cow::has_simple_data_ptr(storage) || c10::impl::cow::is_cow_data_ptr(storage.data_ptr())) {
-      return at::_lazy_clone(src);
+    c10::StorageImpl& impl = *storage.unsafeGetStorageImpl();
+    if (c10::impl::cow::has_simple_data_ptr(impl) || c10::impl::cow::is_cow_data_ptr(impl.data_ptr())) {
+      if (auto clone = c10::impl::cow::lazy_clone_storage(impl)) storage = c10::Storage(std::move(clone));
     }
   }
-  return src.alias();
+  auto held = c10::make_intrusive<c10::TensorImpl>(std::move(storage), src.key_set(), src.dtype());
+  held->set_sizes_and_strides(src.sizes(), src.strides(), src.storage_offset());
+  return at::Tensor(std::move(held));
 }
 
 engine::CopyItem item_of(const at::Tensor& src, const at::Tensor& dst) {

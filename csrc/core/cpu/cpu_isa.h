@@ -17,6 +17,8 @@
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(HIPFERRY_NO_ISA_DISPATCH)
 #define HIPFERRY_HAVE_AVX2_BUILD 1
+// The one target of every kAvx2 function: what best_isa() checks the CPU for.
+#define HIPFERRY_AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
 #endif
 
 namespace hipferry::cpu {

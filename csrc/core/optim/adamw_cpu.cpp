@@ -39,7 +39,7 @@ template <class Grad, class Out, bool kAmsgrad, bool kWriteOut>
 
 #ifdef HIPFERRY_HAVE_AVX2_BUILD
 template <class Grad, class Out, bool kAmsgrad, bool kWriteOut>
-__attribute__((target("avx2,fma,f16c"))) void adamw_loop_avx2(const AdamWArrays& a, const AdamWScalars& s,
+HIPFERRY_AVX2_TARGET void adamw_loop_avx2(const AdamWArrays& a, const AdamWScalars& s,
                                                           std::int64_t begin, std::int64_t end) {
   adamw_body<Grad, Out, kAmsgrad, kWriteOut>(a, s, begin, end);
 }
