@@ -236,7 +236,7 @@ def generate(model, a, device, name, tokens=None):
 
 
 def write_trace(prefix, model, a):
-    """Three tokens under hipferry.trace(): the ring's copies (copy_cast_ on the copy stream, or the worker
+    """Three tokens under hipferry.trace(): the ring's copies ("layer copy" spans on the ring's stream, or the worker
     thread on the CPU) beside each block's forward."""
     with hipferry.trace(prefix + ".json") as tr:
         generate(model, a, a.device, None, tokens=3)

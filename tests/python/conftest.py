@@ -12,14 +12,14 @@ def gpu_available() -> bool:
 requires_gpu = pytest.mark.skipif(not gpu_available(), reason="needs a GPU visible to torch and hipferry")
 
 
-def testing_hooks():
+def installed_test_hooks():
     """hipferry._C._testing: hooks built into the module only with the tests
     (HIPFERRY_TEST_HOOKS); None in a production build."""
     from hipferry import _C
     return getattr(_C, "_testing", None)
 
 
-requires_test_hooks = pytest.mark.skipif(testing_hooks() is None,
+requires_test_hooks = pytest.mark.skipif(installed_test_hooks() is None,
                                          reason="needs a build with the test hooks (HIPFERRY_TEST_HOOKS=ON)")
 
 

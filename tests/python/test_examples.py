@@ -161,10 +161,10 @@ def test_offload_inference_on_cpu(tmp_path):
     out, s = _run_offload_inference(tmp_path, "--plot", str(tmp_path / "tokens.png"),
                                     "--trace", str(tmp_path / "trace"))
     assert "generated tokens identical to the reference's" in out
-    # The trace shows every block's forward and the ring's copies (copy_cast_) of those tokens.
+    # The trace shows every block's forward and the ring's copies of those tokens (LayerCopier's spans).
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     names = [e["name"] for e in events]
-    assert sum(n.startswith("blocks.") for n in names) == 3 * 4 and "copy_cast_" in names
+    assert sum(n.startswith("blocks.") for n in names) == 3 * 4 and "layer copy" in names, sorted(set(names))
     assert s["checks"]["tokens_identical"] is True and s["tokens_identical"] is True
     assert s["offloaded"]["tokens"] == s["reference"]["tokens"] and s["first_logits_max_diff"] == 0
     assert s["offloaded"]["device_peak_bytes"] is None and s["reference_device"] == "cpu"

@@ -8,7 +8,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map  # noqa: F401 (re-exported)
 
 import hipferry
-from conftest import gpu_available, requires_gpu, requires_test_hooks, testing_hooks  # noqa: F401 (re-exported)
+from conftest import gpu_available, requires_gpu, requires_test_hooks, installed_test_hooks  # noqa: F401 (re-exported)
 from test_copy_cast import INT_VIEW, PAIRS, inputs_for  # noqa: F401 (re-exported)
 
 MiB = 2**20
@@ -70,7 +70,7 @@ def settled(pool):
 
 def hold(device, ms=200):
     """Keep the transfers started next in flight for about `ms`."""
-    hooks = testing_hooks()
+    hooks = installed_test_hooks()
     if hooks is None:
         pytest.skip("holding transfers in flight needs the test hooks (HIPFERRY_TEST_HOOKS=ON)")
     hooks.transfer_worker_sleep(ms)
