@@ -38,15 +38,23 @@ def key_of(row, drop=()):
                         if isinstance(v, (str, int, bool)) and not isinstance(v, float) and k not in drop))
 
 
+GROUP_KEYS = ("case", "direction", "bytes", "measure", "params", "regime", "width", "tokens", "layers")
+
+
+def group_of(row):
+    """What a row measures, apart from who: the same size / case / regime."""
+    return tuple((k, row[k]) for k in GROUP_KEYS if k in row)
+
+
 def normalized(rows, prefix):
     """Each row's primary fields divided by its group's baseline row (same run)."""
     base = {}
     for r in rows:
         if prefix and str(r.get("contender", "")).startswith(prefix):
-            base.setdefault(key_of(r, ("contender",)), r)
+            base.setdefault(group_of(r), r)
     out = []
     for r in rows:
-        b = base.get(key_of(r, ("contender",)))
+        b = base.get(group_of(r))
         if b is None:
             continue
         out.append((r, {f: r[f] / b[f] for f in FIELDS
