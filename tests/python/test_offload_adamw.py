@@ -313,6 +313,26 @@ def test_skip_nonfinite_step_changes_nothing_and_next_step_is_torchs(engine, whe
     assert int(opt.state[target]["step"]) == 10
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_write_before_a_skipped_step_reaches_the_master(engine):
+    """p.data = t on a bfloat16 parameter, then a step skipped for a non-finite gradient:
+    the float32 master follows the write at once (found by the fuzzer with
+    p.data = p.data.t(): the master kept the old values until the next step that ran)."""
+    device, step_on = engine
+    model = make_model(device, torch.bfloat16)
+    opt = offload_adamw(model.parameters(), step_on, skip_nonfinite=True, min_offload_numel=0)
+    train(model, opt, 1)
+    w = model.fc1.weight
+    w.data = w.data.flip(0)  # other values, same shape
+    opt.zero_grad()
+    backward(model, 1)
+    poison(model.fc2.bias, float("inf"))
+    opt.step()
+    assert opt.last_step_skipped
+    master = opt.state[w]["master_param"]
+    assert torch.equal(master.to(w.dtype).cpu(), w.detach().cpu()), "the master missed the write"
+
+
 @pytest.mark.parametrize("engine", ENGINE_PER_DEVICE)
 def test_without_skip_nonfinite_the_counters_stay_zero(engine):
     device, step_on = engine

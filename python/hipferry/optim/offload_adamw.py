@@ -286,6 +286,9 @@ class OffloadAdamW(torch.optim.Optimizer):
             self.skipped_steps += 1
             self.last_step_skipped = True
             self._drop_grad_copies()
+            # Writes made before this step (p.data = t, in-place ops) still reach the
+            # masters and host copies now: the state read after a skipped step is current.
+            self._reread_written()
             return loss
         if scaler_driven:
             if getattr(self, "grad_scale", None) is None:
