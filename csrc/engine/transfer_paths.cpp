@@ -389,7 +389,7 @@ std::uint64_t run_on_host(PathContext& ctx, std::vector<CopyItem> items, std::sh
   std::size_t bytes = 0;
   for (const CopyItem& it : items) bytes += it.dst_bytes();
   ctx.counters.direct_copies += items.size();
-  if (bytes <= kInlineHostBytes) {  // cheaper than waking the worker and being woken back
+  if (host_copy_runs_inline(bytes)) {  // cheaper than waking the worker and being woken back
     if (produced) produced->synchronize();
     copy_on_host(items, "caller thread");
     return 0;

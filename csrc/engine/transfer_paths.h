@@ -50,17 +50,19 @@ struct Counters {
 // in 7.2 (ROCm/clr#273), so the kernel is the batched path there.
 enum class BatchedCopy { kKernel, kRuntime };
 
+// Runs body(begin, end) over [0, n) in pieces of at least `grain` on the
+// host's thread pool (torch's: staging one thread copies ~10 GB/s, a host
+// link carries 25-55 GB/s). Empty: one piece on the calling thread.
+using ParallelFor =
+    std::function<void(std::int64_t n, std::int64_t grain, const std::function<void(std::int64_t, std::int64_t)>& body)>;
+
 struct PathContext {
   transfer::SerialWorker& worker;
   Counters& counters;
   std::shared_ptr<pool::HostPool> pool;  // staging blocks and job tables
   BatchedCopy batched = BatchedCopy::kKernel;
   std::atomic<bool>* runtime_batch_works = nullptr;  // cleared when the runtime says it has none
-  // Runs body(begin, end) over [0, n) in pieces of at least `grain` on the
-  // host's thread pool (torch's: staging one thread copies ~10 GB/s, a host
-  // link carries 25-55 GB/s). Empty: one piece on the calling thread.
-  std::function<void(std::int64_t n, std::int64_t grain, const std::function<void(std::int64_t, std::int64_t)>& body)>
-      parallel_for;
+  ParallelFor parallel_for;  // the host's thread pool (see ParallelFor)
 };
 
 // What a worker task reports: every waiter of a transfer sees the same error.
@@ -96,6 +98,9 @@ void run_device_to_host(PathContext& ctx, std::vector<CopyItem> items, int devic
 // hand-off to the worker and back costs tens of microseconds on an idle core,
 // as much as copying this much; there is nothing worth overlapping).
 constexpr std::size_t kInlineHostBytes = std::size_t{256} << 10;
+// True when run_on_host copies `bytes` before it returns: the caller then
+// need not hold the sources past the call.
+constexpr bool host_copy_runs_inline(std::size_t bytes) { return bytes <= kInlineHostBytes; }
 // `produced` (may be nullptr): an event on the producer stream the copy waits for first.
 std::uint64_t run_on_host(PathContext& ctx, std::vector<CopyItem> items, std::shared_ptr<TaskOutcome> outcome,
                           std::shared_ptr<rt::Event> produced);

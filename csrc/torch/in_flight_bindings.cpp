@@ -1,7 +1,7 @@
 // hipferry._C.InFlightWindow: the copy scheduler's bound on bytes in flight
 // (csrc/core/schedule/in_flight_window.h) over Transfer handles, for the
 // Python queues that offload as autograd produces tensors (offload_layers'
-// gradient sink). Python keeps the policy (what to offload, what a settled
+// gradient sink, offload_activations). Python keeps the policy (what to offload, what a settled
 // copy becomes); the window decides when the host must wait.
 #include <pybind11/functional.h>
 #include <pybind11/pybind11.h>
@@ -55,9 +55,12 @@ void bind_in_flight_window(py::module_& m) {
                auto fn = std::make_shared<py::object>(std::move(settled));
                callback = [fn] { (*fn)(); };
              }
-             w.add(std::make_shared<TransferEvent>(std::move(t)), bytes, std::move(callback));
+             return w.add(std::make_shared<TransferEvent>(std::move(t)), bytes, std::move(callback));
            },
-           py::arg("transfer"), py::arg("bytes"), py::arg("settled") = py::none())
+           py::arg("transfer"), py::arg("bytes"), py::arg("settled") = py::none(),
+           "Counts a transfer in flight; returns its entry id. `settled()` runs when the window settles it.")
+      .def("withdraw", &schedule::InFlightWindow::withdraw, py::arg("id"),
+           "Takes entry `id` back unsettled (its callback never runs); False if it is no longer in the window.")
       .def("settle", [](schedule::InFlightWindow& w) { return translate_errors([&] { return w.settle(); }); })
       .def("drain", [](schedule::InFlightWindow& w) { translate_errors([&] { w.drain(); }); })
       .def_property_readonly("bytes", &schedule::InFlightWindow::bytes)

@@ -1,6 +1,7 @@
-// The transfer engine: checks a request, allocates the results, resolves
-// tensors into raw copy items and hands them to a path (transfer_paths.cpp);
-// owns the copy streams, the worker and the release list.
+// The transfer engine's ATen layer: checks a request, allocates the results,
+// resolves tensors into raw copy items and hands them to a path
+// (csrc/engine/transfer_paths.cpp); the Transfer handle owns the tensors and
+// hands them to the engine's release list (csrc/engine/engine.h).
 #include "csrc/torch/transfer_engine.h"
 
 #include <ATen/Parallel.h>
@@ -8,8 +9,6 @@
 #include <c10/core/TensorImpl.h>
 #include <c10/core/impl/COW.h>
 #include <c10/util/Exception.h>
-
-#include <pthread.h>
 
 #include <atomic>
 #include <functional>
@@ -20,133 +19,28 @@
 #include "csrc/torch/current_stream.h"
 #include "csrc/torch/pinned_pool.h"
 #include "hip/trace_session.h"
+#include "csrc/engine/engine.h"
 #include "csrc/engine/transfer_paths.h"
 
 namespace hipferry {
 namespace {
 
-std::atomic<std::uint64_t> forks{0};  // forks since the engine was first used (see fork_generation)
+using engine::Completion;
+using engine::Engine;
 
-// Holdings let go of once their transfer has completed.
-struct Holding {
-  Completion completion;
-  std::vector<at::Tensor> tensors;
-};
+// What a handle hands the release list: its tensors, type-erased.
+std::shared_ptr<void> holding_of(std::vector<at::Tensor> tensors) {
+  if (tensors.empty()) return nullptr;
+  return std::make_shared<std::vector<at::Tensor>>(std::move(tensors));
+}
 
-class Engine {
- public:
-  // Never destroyed: handles may outlive static destruction, and the worker
-  // and streams must not be torn down under them at exit. A forked child
-  // (a DataLoader worker) has no worker thread: it gets an engine of its own.
-  static Engine& get() {
-    static std::once_flag once;
-    std::call_once(once, [] {
-      pthread_atfork(nullptr, nullptr, [] {
-        instance = nullptr;
-        forks.fetch_add(1);
-      });
-    });
-    Engine* e = instance.load(std::memory_order_acquire);
-    if (e != nullptr) return *e;
-    std::lock_guard<std::mutex> lock(creation_mutex);
-    e = instance.load(std::memory_order_acquire);
-    if (e == nullptr) {
-      e = new Engine();
-      instance.store(e, std::memory_order_release);
-    }
-    return *e;
-  }
-
-  transfer::SerialWorker& worker() { return worker_; }
-  engine::Counters& counters() { return counters_; }
-  engine::PathContext context(std::shared_ptr<pool::HostPool> pool) {
-    engine::PathContext ctx{worker_, counters_, std::move(pool), batched_.load(), &runtime_batch_works_, {}};
-    ctx.parallel_for = [](std::int64_t n, std::int64_t grain,
-                          const std::function<void(std::int64_t, std::int64_t)>& body) {
-      at::parallel_for(0, n, grain, body);  // torch's thread pool
-    };
-    return ctx;
-  }
-  void set_batched_copy(engine::BatchedCopy mode) { batched_.store(mode); }
-  // "kernel", "runtime", or "kernel (the runtime has no batched copy)" once it said so.
-  std::string batched_copy() const {
-    if (batched_.load() == engine::BatchedCopy::kKernel) return "kernel";
-    return runtime_batch_works_.load() ? "runtime" : "kernel (the runtime has no batched copy)";
-  }
-
-  // One of hipferry's streams on `device`, created on first use.
-  rt::StreamHandle stream(int device, tracing::CopyStream kind) {
-    const std::size_t at = static_cast<std::size_t>(device) * 3 + static_cast<std::size_t>(kind);
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (at < streams_.size() && streams_[at]) return streams_[at]->handle();
-    }
-    auto created = std::make_unique<rt::Stream>(device);  // runtime call: outside the lock
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (at >= streams_.size()) streams_.resize(at + 1);
-    if (!streams_[at]) streams_[at] = std::move(created);  // else a racing thread's stream wins
-    return streams_[at]->handle();
-  }
-
-  void release_after(const Completion& completion, std::vector<at::Tensor> tensors) {
-    if (tensors.empty()) return;
-    bool done = false;
-    try {
-      done = completion.done();
-    } catch (...) {  // the runtime cannot say: keep holding (a leak, never a use after free)
-    }
-    if (done) return;  // tensors die here
-    std::lock_guard<std::mutex> lock(mutex_);
-    releases_.push_back(Holding{completion, std::move(tensors)});
-  }
-
-  std::size_t poll() {
-    std::vector<Holding> holdings;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      holdings.swap(releases_);
-    }
-    std::vector<Holding> still;
-    std::size_t released = 0;
-    for (Holding& h : holdings) {  // runtime queries: outside the lock
-      bool done = false;
-      try {
-        done = h.completion.done();
-      } catch (...) {  // the runtime cannot say: keep holding (a leak, never a use after free)
-      }
-      if (done) {
-        ++released;
-      } else {
-        still.push_back(std::move(h));
-      }
-    }
-    holdings.clear();  // tensors die here, outside the lock
-    std::lock_guard<std::mutex> lock(mutex_);
-    for (Holding& h : still) releases_.push_back(std::move(h));
-    return released;
-  }
-
-  std::size_t pending() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return releases_.size();
-  }
-
- private:
-  Engine() = default;
-  static std::atomic<Engine*> instance;
-  static std::mutex creation_mutex;
-
-  transfer::SerialWorker worker_{"hipferry transfer worker"};
-  engine::Counters counters_;
-  std::atomic<engine::BatchedCopy> batched_{engine::BatchedCopy::kKernel};
-  std::atomic<bool> runtime_batch_works_{true};  // until the runtime says otherwise
-  std::mutex mutex_;  // guards streams_ and releases_; never held across a runtime call
-  std::vector<std::unique_ptr<rt::Stream>> streams_;  // [device * 3 + CopyStream]
-  std::vector<Holding> releases_;
-};
-
-std::atomic<Engine*> Engine::instance{nullptr};
-std::mutex Engine::creation_mutex;
+// The ATen layer's engine context: torch's thread pool.
+engine::PathContext context_of(Engine& e, std::shared_ptr<pool::HostPool> pool) {
+  return e.context(std::move(pool), [](std::int64_t n, std::int64_t grain,
+                                       const std::function<void(std::int64_t, std::int64_t)>& body) {
+    at::parallel_for(0, n, grain, body);
+  });
+}
 
 // "torch.float16", as Python users spell it.
 std::string dtype_name(at::ScalarType t) { return "torch." + std::string(c10::getDtypeNames(t).first); }
@@ -211,12 +105,7 @@ engine::CopyItem item_of(const at::Tensor& src, const at::Tensor& dst) {
 
 }  // namespace
 
-std::uint64_t fork_generation() { return forks.load(); }
-
-bool Completion::done() const {
-  if (ticket != 0 && !Engine::get().worker().reached(ticket)) return false;
-  return !event || event->query();
-}
+std::uint64_t fork_generation() { return Engine::fork_generation(); }
 
 Transfer::~Transfer() {
   if (state_ != State::kPending) return;
@@ -230,7 +119,7 @@ Transfer::~Transfer() {
     if (outcome_ && outcome_->failed()) {
       sync_streams_quietly();
     } else {
-      Engine::get().release_after(completion_, std::move(holdings));
+      Engine::get().release_after(completion_, holding_of(std::move(holdings)));
     }
   } catch (...) {  // a destructor must not throw; keep the holdings (a leak, never a use after free)
     new std::vector<at::Tensor>(std::move(holdings));
@@ -346,7 +235,7 @@ std::vector<at::Tensor> Transfer::wait() {
     state_ = State::kPending;
     throw;
   }
-  if (device_.is_cuda()) Engine::get().release_after(completion_, std::move(holdings));
+  if (device_.is_cuda()) Engine::get().release_after(completion_, holding_of(std::move(holdings)));
   holdings.clear();
   Engine::get().poll();
   return results;
@@ -408,10 +297,17 @@ std::shared_ptr<Transfer> start_transfer(TransferRequest r) {
   handle->results_count_ = r.sources.size();
 
   // --- results; sources made contiguous (on the current stream when on a GPU) ---
+  // A small host copy runs before start_transfer returns: its sources need no holding.
+  std::size_t host_bytes = 0;
+  for (const at::Tensor& t : r.sources) {
+    host_bytes += static_cast<std::size_t>(t.numel()) * c10::elementSize(r.dtype.value_or(t.scalar_type()));
+  }
+  const bool copied_now = !gpu && engine::host_copy_runs_inline(host_bytes);
   std::vector<at::Tensor> sources, results;
   for (const at::Tensor& t : r.sources) {
     // Lazy conjugate / negative views are materialized: the copy moves bytes.
-    at::Tensor src = held_source(t, t.resolve_conj().resolve_neg().contiguous());
+    at::Tensor src = t.resolve_conj().resolve_neg().contiguous();
+    if (!copied_now) src = held_source(t, std::move(src));
     const at::ScalarType out_type = r.dtype.value_or(t.scalar_type());
     // Host results come from the pool: cached blocks, so a copy does not pay
     // for faulting in fresh pages (which costs more than the copy itself).
@@ -435,7 +331,7 @@ std::shared_ptr<Transfer> start_transfer(TransferRequest r) {
     items.push_back(it);
   }
 
-  engine::PathContext ctx = engine.context(pool);
+  engine::PathContext ctx = context_of(engine, pool);
   engine.counters().transfers += 1;
   engine.counters().bytes += handle->nbytes_;
   handle->outcome_ = std::make_shared<schedule::Outcome>();
@@ -490,7 +386,9 @@ std::shared_ptr<Transfer> start_transfer(TransferRequest r) {
       throw;
     }
   }
-  for (auto& t : sources) handle->keepalive_.push_back(std::move(t));
+  if (!copied_now) {
+    for (auto& t : sources) handle->keepalive_.push_back(std::move(t));
+  }
   handle->results_ = std::move(results);
   return handle;
 }
@@ -528,10 +426,7 @@ std::string set_batched_copy(const std::string& mode) {
   return mode.empty() ? previous : e.batched_copy();
 }
 
-void drain_transfer_worker() {
-  transfer::SerialWorker& worker = Engine::get().worker();
-  worker.wait(worker.last_submitted());
-}
+void drain_transfer_worker() { Engine::get().drain_worker(); }
 
 transfer::SerialWorker& transfer_worker() { return Engine::get().worker(); }
 

@@ -55,6 +55,7 @@
 
 #include "csrc/core/schedule/outcome.h"
 #include "csrc/core/transfer/serial_worker.h"
+#include "csrc/engine/engine.h"
 #include "hip/runtime.h"
 
 namespace hipferry {
@@ -69,13 +70,7 @@ struct TransferRequest {
   std::int64_t pool_id = 0;             // staging blocks and offload destinations
 };
 
-// When a transfer's work is done. Both parts are optional.
-struct Completion {
-  std::uint64_t ticket = 0;           // worker task (0: none)
-  std::shared_ptr<rt::Event> event;   // after all stream work (nullptr: none)
-  bool done() const;                  // never blocks
-};
-
+using engine::Completion;  // when a transfer's work is done (csrc/engine/engine.h)
 
 class Transfer {
  public:

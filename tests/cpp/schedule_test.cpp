@@ -284,6 +284,68 @@ TEST(InFlightWindowBroken, AWindowThatNeverWaitsIsCaught) {
   EXPECT_GT(caught, 50);
 }
 
+// Withdrawals out of order, against a model: a withdrawn entry no longer
+// counts and its callback never runs; every other entry settles exactly once,
+// oldest first; the bound holds for what is still counted.
+TEST(InFlightWindowProperty, WithdrawnEntriesLeaveAndTheRestSettleInOrder) {
+  for (std::uint64_t seed = 1; seed <= 200; ++seed) {
+    std::mt19937_64 rng(seed);
+    FakeDevice dev(FakeDevice::Options{seed});
+    auto a = dev.stream("a"), b = dev.stream("b");
+    InFlightWindow window(std::uniform_int_distribution<std::size_t>(8, 128)(rng));
+    const int n = std::uniform_int_distribution<int>(1, 50)(rng);
+    std::vector<std::vector<std::uint8_t>> src(n), dst(n);
+    std::vector<std::uint64_t> ids;
+    std::vector<int> settled_order, runs(n, 0);
+    std::vector<bool> withdrawn(n, false);
+    std::vector<std::size_t> sizes(n);
+    for (int i = 0; i < n; ++i) {
+      sizes[i] = std::uniform_int_distribution<std::size_t>(1, window.max_bytes())(rng);
+      src[i].assign(sizes[i], 1);
+      dst[i].assign(sizes[i], 0);
+      window.admit(sizes[i]);
+      ASSERT_LE(window.bytes() + sizes[i], std::max(window.max_bytes(), sizes[i])) << "seed " << seed;
+      Stream& s = (rng() & 1) ? *a : *b;
+      s.copy(dst[i].data(), src[i].data(), sizes[i], Label{"copy " + std::to_string(i)});
+      ids.push_back(window.add(s.record(), sizes[i], [&, i] {
+        ++runs[i];
+        settled_order.push_back(i);
+      }));
+      if (rng() % 3 == 0) {  // take back a random earlier entry
+        const int k = std::uniform_int_distribution<int>(0, i)(rng);
+        const bool was_counted = !withdrawn[k] && runs[k] == 0;
+        ASSERT_EQ(window.withdraw(ids[k]), was_counted) << "seed " << seed << " entry " << k;
+        withdrawn[k] = withdrawn[k] || was_counted;
+      }
+      std::size_t counted = 0;
+      for (int k = 0; k <= i; ++k) counted += (!withdrawn[k] && runs[k] == 0) ? sizes[k] : 0;
+      ASSERT_EQ(window.bytes(), counted) << "seed " << seed;
+    }
+    window.drain();
+    for (int i = 0; i < n; ++i) ASSERT_EQ(runs[i], withdrawn[i] ? 0 : 1) << "seed " << seed << " entry " << i;
+    ASSERT_TRUE(std::is_sorted(settled_order.begin(), settled_order.end())) << "seed " << seed;
+    ASSERT_EQ(window.bytes(), 0u);
+    ASSERT_FALSE(window.withdraw(ids.back()));
+  }
+}
+
+TEST(InFlightWindow, ACallbackMayWithdrawAnotherEntry) {
+  FakeDevice dev(FakeDevice::Options{});
+  auto s = dev.stream("s");
+  std::vector<std::uint8_t> a(8, 1), b(8, 0), c(8, 0);
+  InFlightWindow window(16);
+  int second_runs = 0;
+  std::uint64_t second = 0;
+  s->copy(b.data(), a.data(), 8, Label{"copy 1"});
+  window.add(s->record(), 8, [&] { EXPECT_TRUE(window.withdraw(second)); });
+  s->copy(c.data(), a.data(), 8, Label{"copy 2"});
+  second = window.add(s->record(), 8, [&] { ++second_runs; });
+  window.drain();
+  EXPECT_EQ(second_runs, 0);
+  EXPECT_EQ(window.bytes(), 0u);
+  EXPECT_EQ(window.entries(), 0u);
+}
+
 TEST(InFlightWindow, AnErrorSettlesTheEntryAndReachesTheCaller) {
   FakeDevice dev(FakeDevice::Options{});
   auto s = dev.stream("s");

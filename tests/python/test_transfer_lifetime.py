@@ -137,15 +137,16 @@ def test_source_storage_freed_while_the_worker_is_busy(device, kind, free):
     assert r.stdout.strip() == f"ok True {32 << 20}", r.stdout
 
 
-def test_source_written_after_prefetch_is_copied_as_it_was(device):
+@pytest.mark.parametrize("numel", [1024, 4 * MiB])  # a host copy this small is made before prefetch returns
+def test_source_written_after_prefetch_is_copied_as_it_was(device, numel):
     """A pageable source is held copy-on-write: a write by the caller after
     prefetch() copies the caller's side, the transfer reads the old values."""
-    x = torch.full((4 * MiB,), 3.0)
+    x = torch.full((numel,), 3.0)
     hold(device)
     t = hipferry.prefetch(x, device)
     x.add_(1)
-    assert torch.equal(t.wait().cpu(), torch.full((4 * MiB,), 3.0))
-    assert torch.equal(x, torch.full((4 * MiB,), 4.0))
+    assert torch.equal(t.wait().cpu(), torch.full((numel,), 3.0))
+    assert torch.equal(x, torch.full((numel,), 4.0))
 
 
 def test_capacity_error_is_not_raised_for_memory_of_completed_transfers(device):

@@ -40,10 +40,23 @@ void InFlightWindow::admit(std::size_t bytes) {
   }
 }
 
-void InFlightWindow::add(std::shared_ptr<Event> done, std::size_t bytes, std::function<void()> settled) {
-  entries_.push_back(Entry{std::move(done), bytes, std::move(settled)});
+std::uint64_t InFlightWindow::add(std::shared_ptr<Event> done, std::size_t bytes, std::function<void()> settled) {
+  const std::uint64_t id = next_id_++;
+  entries_.push_back(Entry{id, std::move(done), bytes, std::move(settled)});
   bytes_ += bytes;
   peak_ = std::max(peak_, bytes_);
+  return id;
+}
+
+bool InFlightWindow::withdraw(std::uint64_t id) {
+  // Ids grow from front to back: a binary search over a deque.
+  auto it = std::lower_bound(entries_.begin(), entries_.end(), id,
+                             [](const Entry& e, std::uint64_t v) { return e.id < v; });
+  if (it == entries_.end() || it->id != id) return false;
+  Entry taken = std::move(*it);
+  entries_.erase(it);
+  bytes_ -= taken.bytes;
+  return true;  // `taken` dies here: its event and callback, never run
 }
 
 void InFlightWindow::drain() {

@@ -6,10 +6,12 @@
 // blocking), then blocks on the oldest until `bytes` more fit. An empty
 // window admits anything, so one copy larger than the bound still runs.
 // Settling an entry runs its `settled` callback on the settling thread (the
-// owner lets go of the memory there). Not thread-safe: one caller at a time.
+// owner lets go of the memory there). A callback may withdraw other entries.
+// Not thread-safe: one caller at a time.
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <deque>
 #include <functional>
 #include <memory>
@@ -28,7 +30,14 @@ class InFlightWindow {
   // thrown; the window stays usable.
   virtual void admit(std::size_t bytes);
   // A copy of `bytes` was queued; `done` passes when it no longer holds them.
-  void add(std::shared_ptr<Event> done, std::size_t bytes, std::function<void()> settled = {});
+  // Returns the entry's id (for withdraw).
+  std::uint64_t add(std::shared_ptr<Event> done, std::size_t bytes, std::function<void()> settled = {});
+  // The owner takes entry `id` back before it settled (out of order: its
+  // consumer needs the data where it is, or no one needs it any more): it no
+  // longer counts, and its callback never runs. The copy itself is not
+  // waited for: the owner keeps its memory until it completes. False when
+  // `id` is not in the window (settled or withdrawn already).
+  bool withdraw(std::uint64_t id);
   // Settles what has completed; never blocks. Returns how many were settled.
   std::size_t settle();
   // Blocks until every entry has completed and is settled; throws the first error.
@@ -42,6 +51,7 @@ class InFlightWindow {
 
  protected:
   struct Entry {
+    std::uint64_t id = 0;
     std::shared_ptr<Event> done;
     std::size_t bytes = 0;
     std::function<void()> settled;
@@ -52,6 +62,7 @@ class InFlightWindow {
   std::size_t bytes_ = 0;      // sum of entries_' bytes
   std::size_t peak_ = 0;
   std::size_t waits_ = 0;
+  std::uint64_t next_id_ = 1;  // of the next add()
 };
 
 }  // namespace hipferry::schedule

@@ -12,6 +12,8 @@
 //     fake streams whose completion is adversarial (tests/cpp/fake_device.h).
 //   * SlotRing (slot_ring.h): stream-ordered reuse of a ring of buffers;
 //   * InFlightWindow (in_flight_window.h): a bound on bytes in flight;
+//   * ReleaseList (release_list.h): memory let go of only once the host has
+//     seen the copies that use it complete;
 //   * Outcome (outcome.h): the first error of a job, seen by every waiter.
 // Rules every implementation keeps:
 //   * work queued on one stream runs in queue order; an event completes when

@@ -6,10 +6,14 @@ Note [offloaded activations]
 * Forward (pack hook): a saved tensor worth moving starts ``hipferry.offload``
   at once -- on the engine's device->host stream, after the work queued so
   far on the current stream, into the pool -- and autograd keeps only the
-  record. The engine holds the device tensor until its copy is complete; each
-  pack settles the copies that have completed (their device memory is let go)
-  and, when more than ``max_in_flight`` bytes would be in flight, blocks on the
-  oldest first. So device memory held by copies in flight stays bounded.
+  record. The engine holds the device tensor until its copy is complete. The
+  copies in flight are counted by the copy scheduler's bound
+  (``hipferry._C.InFlightWindow``, Note [copy scheduler]): each pack settles
+  the copies that have completed (their device memory is let go) and, when
+  more than ``max_in_flight`` bytes would be in flight, blocks on the oldest
+  first. So device memory held by copies in flight stays bounded. A record
+  that leaves before its copy settled -- unpacked while still on the device,
+  or dropped with its graph -- is withdrawn from the window.
 * Backward (unpack hook): the record is brought back with ``hipferry.prefetch``
   (the current stream waits for the copy, not the host), and the records
   packed just before it -- what backward needs next, it runs in reverse --
@@ -37,13 +41,14 @@ Note [offloaded activations]
 import threading
 import warnings
 import weakref
-from collections import deque
 from dataclasses import dataclass
-from typing import Any, Deque, Dict, List, Optional, Tuple
+from functools import partial
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
+from .. import _C
 from ..pool import PinnedPool, default_pool, parse_bytes
 from ..torch_private import tensor_base, tensor_version
 from ..transfer import offload, prefetch
@@ -76,12 +81,13 @@ class ActivationStats:
 class _Record:
     """What autograd keeps of an offloaded tensor."""
     __slots__ = ("index", "device", "size", "stride", "perm", "nbytes", "transfer", "source", "host", "ahead",
-                 "saves", "unpacks", "device_copy", "__weakref__")
+                 "saves", "unpacks", "device_copy", "entry", "__weakref__")
 
     def __init__(self, index: int, t: torch.Tensor, perm: List[int]):
         self.index, self.device, self.size, self.stride, self.perm = index, t.device, t.size(), t.stride(), perm
         self.nbytes = t.numel() * t.element_size()
         self.transfer = None   # the device->host copy until settled
+        self.entry = None      # its InFlightWindow entry id and the finalizer that withdraws it (until settled)
         # The tensor's data until settled (the engine holds it anyway); detached, see
         # Note [offloaded activations]: `t` itself would lead back to this record.
         self.source = t.detach()
@@ -139,10 +145,10 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):
         self._outer: List[Any] = []
         self._entered: List[Tuple[int, int, int]] = []  # per open `with`: counters at entry (the warning)
         self._largest_small = 0                        # bytes of the largest saved tensor under min_bytes
-        # Records whose copy out is not settled, oldest first, and their bytes. Weak: a record
-        # of a graph dropped without backward dies with it (its unwaited copy is safe to drop).
-        self._in_flight: Deque[Tuple[weakref.ref, int]] = deque()
-        self._in_flight_bytes = 0
+        # The copies out not settled yet, oldest first. Its callbacks hold their records weakly:
+        # a record of a graph dropped without backward dies with it, and withdraws itself
+        # (its unwaited copy is safe to drop: the engine holds what the copy uses).
+        self._window = _C.InFlightWindow(self.max_in_flight)
         self._records: List[weakref.ref] = []         # in pack order (records die with their graph)
         self._compact_at = 1024                       # list length that triggers dropping dead entries
         self._by_tensor: Dict[int, Tuple[weakref.ref, weakref.ref, int]] = {}  # id -> (tensor, record, version)
@@ -174,8 +180,8 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):
                     f"min_bytes, e.g. offload_activations(min_bytes={largest}), to offload them"), stacklevel=2)
 
     def stats(self) -> dict:
-        self._drop_dead_in_flight()
-        return dict(vars(self._stats), in_flight_bytes=self._in_flight_bytes)
+        with self._lock:
+            return dict(vars(self._stats), in_flight_bytes=self._window.bytes)
 
     def _locked(self, fn):
         def call(arg):
@@ -215,18 +221,17 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):
         if len(self._records) >= self._compact_at:
             self._compact()
         rec = _Record(len(self._records), t, perm)
-        self._settle_completed()
-        while True:
-            head = self._oldest_in_flight()
-            if head is None or self._in_flight_bytes + rec.nbytes <= self.max_in_flight:
-                break
-            self._stats.forward_waits += 1
-            self._settle(head)
+        window = self._window
+        waits = window.waits
+        window.admit(rec.nbytes)  # completed copies settled; the oldest waited for while over the bound
+        self._stats.forward_waits += window.waits - waits
         rec.transfer = offload(rec.source.permute(perm), pool=self.pool)  # (detached: the engine holds no graph)
-        self._in_flight.append((weakref.ref(rec), rec.nbytes))
-        self._in_flight_bytes += rec.nbytes
+        entry = window.add(rec.transfer._native, rec.nbytes, partial(_settled, weakref.ref(rec)))
+        finalizer = weakref.finalize(rec, window.withdraw, entry)
+        finalizer.atexit = False  # (at exit nothing needs withdrawing)
+        rec.entry = (entry, finalizer)
         s = self._stats
-        s.peak_in_flight_bytes = max(s.peak_in_flight_bytes, self._in_flight_bytes)
+        s.peak_in_flight_bytes = max(s.peak_in_flight_bytes, window.bytes)
         s.offloaded_tensors += 1
         s.offloaded_bytes += rec.nbytes
         self._records.append(weakref.ref(rec))
@@ -241,43 +246,17 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):
         self._by_tensor = {k: v for k, v in self._by_tensor.items() if v[0]() is not None and v[1]() is not None}
         self._compact_at = max(1024, 2 * len(self._records))
 
-    def _oldest_in_flight(self) -> Optional[_Record]:
-        """The oldest live record in flight. Dead ones before it are dropped with
-        their bytes: their copies ran before its on the same stream (or worker)."""
-        while self._in_flight:
-            rec = self._in_flight[0][0]()
-            if rec is not None:
-                return rec
-            self._in_flight_bytes -= self._in_flight.popleft()[1]
-        return None
-
-    def _drop_dead_in_flight(self) -> None:
-        with self._lock:
-            alive = [(r, n) for r, n in self._in_flight if r() is not None]
-            self._in_flight = deque(alive)
-            self._in_flight_bytes = sum(n for _, n in alive)
-
-    def _remove_in_flight(self, rec: _Record) -> None:
-        for i, (r, nbytes) in enumerate(self._in_flight):
-            if r() is rec:
-                del self._in_flight[i]
-                self._in_flight_bytes -= nbytes
-                return
-
-    def _settle_completed(self) -> None:
-        while True:
-            head = self._oldest_in_flight()
-            if head is None or not head.transfer.ready():
-                return
-            self._settle(head)
-
     def _settle(self, rec: _Record) -> None:
-        """Host copy of `rec` in hand; the engine lets go of the device tensor."""
+        """Host copy of `rec` in hand (out of the window's order: backward needs it now)."""
         if rec.transfer is None:
             return
-        rec.host = rec.transfer.wait()
-        rec.transfer, rec.source = None, None
-        self._remove_in_flight(rec)  # (a record with a transfer is always in flight)
+        self._withdraw(rec)
+        _take_host_copy(rec)
+
+    def _withdraw(self, rec: _Record) -> None:
+        entry, finalizer = rec.entry
+        finalizer.detach()
+        self._window.withdraw(entry)
 
     # ------------------------------------------------------------ backward
     def _unpack(self, obj: Any) -> torch.Tensor:
@@ -292,8 +271,8 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):
             t = rec.device_copy if rec.device_copy is not None else rec.source
             s.prefetch_hits += 1
             if rec.transfer is not None:  # keep the tensor instead of the copy out (dropped unwaited: safe)
-                self._remove_in_flight(rec)
-                rec.transfer = None
+                self._withdraw(rec)
+                rec.transfer, rec.entry = None, None
             if rec.unpacks >= rec.saves:
                 rec.device_copy = None
             self._prefetch_before(rec.index)
@@ -338,3 +317,18 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):
             self._records.pop()
         if not self._records:
             self._by_tensor.clear()
+
+
+def _take_host_copy(rec: _Record) -> None:
+    rec.host = rec.transfer.wait()
+    rec.transfer, rec.source, rec.entry = None, None, None
+
+
+def _settled(ref: "weakref.ref[_Record]") -> None:
+    """The window settled a record's copy out (in order): keep the host copy. Holds the
+    record weakly, and nothing else: the window lives in the context, the record in the graph."""
+    rec = ref()
+    if rec is None or rec.transfer is None:
+        return
+    rec.entry[1].detach()
+    _take_host_copy(rec)
