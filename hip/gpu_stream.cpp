@@ -2,6 +2,7 @@
 #include "hip/gpu_stream.h"
 
 #include <stdexcept>
+#include <string>
 #include <utility>
 
 #include "hip/trace_session.h"
@@ -28,6 +29,18 @@ std::shared_ptr<rt::Event> EventPool::get() {
   });
 }
 
+std::shared_ptr<EventPool> EventPool::of_device(int device) {
+  static std::mutex mutex;  // guards pools
+  // Never destroyed: pooled events may be let go of during static destruction.
+  static auto* pools = new std::vector<std::shared_ptr<EventPool>>();
+  std::lock_guard<std::mutex> lock(mutex);  // no runtime call under it: a pool creates events on get()
+  if (device < 0) throw std::invalid_argument("EventPool::of_device: device " + std::to_string(device));
+  if (static_cast<std::size_t>(device) >= pools->size()) pools->resize(static_cast<std::size_t>(device) + 1);
+  auto& pool = (*pools)[static_cast<std::size_t>(device)];
+  if (!pool) pool = std::make_shared<EventPool>(device);
+  return pool;
+}
+
 GpuStream::GpuStream(int device, std::string track)
     : device_(device),
       owned_(std::make_unique<rt::Stream>(device)),
@@ -36,7 +49,7 @@ GpuStream::GpuStream(int device, std::string track)
       events_(std::make_shared<EventPool>(device)) {}
 
 GpuStream::GpuStream(int device, rt::StreamHandle borrowed, std::string track)
-    : device_(device), handle_(borrowed), track_(std::move(track)), events_(std::make_shared<EventPool>(device)) {}
+    : device_(device), handle_(borrowed), track_(std::move(track)), events_(EventPool::of_device(device)) {}
 
 void GpuStream::copy(void* dst, const void* src, std::size_t bytes, const schedule::Label& label) {
   rt::DeviceGuard guard(device_);

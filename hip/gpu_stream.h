@@ -20,6 +20,9 @@ class EventPool : public std::enable_shared_from_this<EventPool> {
  public:
   explicit EventPool(int device) : device_(device) {}
   std::shared_ptr<rt::Event> get();  // throws rt::Error
+  // The process's pool of `device`, shared by the wrappers of borrowed streams
+  // (made per call around torch's current stream: they create no event of their own).
+  static std::shared_ptr<EventPool> of_device(int device);
 
  private:
   int device_;
@@ -43,7 +46,8 @@ class GpuStream : public schedule::Stream {
  public:
   // A new non-blocking stream of hipferry's own on `device`.
   GpuStream(int device, std::string track);
-  // Someone else's stream (torch's current stream; nullptr: the device's default stream).
+  // Someone else's stream (torch's current stream; nullptr: the device's default
+  // stream). Cheap: its events come from EventPool::of_device.
   GpuStream(int device, rt::StreamHandle borrowed, std::string track);
   void copy(void* dst, const void* src, std::size_t bytes, const schedule::Label& label) override;
   void enqueue(schedule::Work work) override;  // runs work.on_device on this stream's handle

@@ -122,7 +122,9 @@ class LayerCopier {
     w.label = schedule::Label{convert ? "layer copy_cast" : "layer copy", convert ? "kernel" : "copy", dst.nbytes()};
     const std::int64_t n = dst.numel();
     const std::size_t bytes = dst.nbytes();
-    const ElementType st = element_type_of_any(src), dt = element_type_of_any(dst);
+    // Element types matter to a conversion only (a byte copy may be of any dtype).
+    const ElementType st = convert ? element_type_of(src) : ElementType{};
+    const ElementType dt = convert ? element_type_of(dst) : ElementType{};
     if (device_ >= 0) {
       void* d = copy_cast_device_address(dst, "dst", device_);
       const void* s = copy_cast_device_address(src, "src", device_);
@@ -151,12 +153,6 @@ class LayerCopier {
       };
     }
     return w;
-  }
-
-  // Byte copies may be of any dtype; only conversions need a float element type.
-  static ElementType element_type_of_any(const at::Tensor& t) {
-    const auto s = t.scalar_type();
-    return s == c10::kFloat || s == c10::kHalf || s == c10::kBFloat16 ? element_type_of(t) : ElementType::kFloat32;
   }
 
   int device_;

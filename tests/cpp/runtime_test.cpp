@@ -6,11 +6,13 @@
 
 #include <cstring>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "csrc/core/copy_cast_cpu.h"
 #include "hip/copy_cast_kernel.h"
+#include "hip/gpu_stream.h"
 #include "hip/runtime.h"
 
 namespace hipferry {
@@ -226,6 +228,41 @@ TEST(GpuRuntimeGuard, DeviceGuardSwitchesAndRestores) {
   EXPECT_EQ(rt::current_device(), 0);
   EXPECT_THROW(rt::DeviceGuard bad(rt::device_count()), rt::Error);
   EXPECT_EQ(rt::current_device(), 0);
+}
+
+// The copy scheduler's GPU streams (hip/gpu_stream.h).
+TEST(GpuStreamEvents, BorrowedStreamsOfADeviceShareOnePool) {
+  // No GPU needed: nothing is created until an event is asked for.
+  EXPECT_EQ(gpu::EventPool::of_device(0), gpu::EventPool::of_device(0));
+  EXPECT_NE(gpu::EventPool::of_device(0), gpu::EventPool::of_device(1));
+  EXPECT_THROW(gpu::EventPool::of_device(-1), std::invalid_argument);
+}
+
+TEST_F(GpuRuntime, WrappersMadePerCallReuseEventsAndOrderAnOwnedStream) {
+  const rt::Event* first = nullptr;
+  {
+    gpu::GpuStream borrowed(0, nullptr, "");  // as LayerCopier wraps torch's current stream, per call
+    auto e = borrowed.record();
+    first = &static_cast<gpu::GpuEvent&>(*e).native();
+  }
+  gpu::GpuStream again(0, nullptr, "");
+  auto e = again.record();
+  EXPECT_EQ(&static_cast<gpu::GpuEvent&>(*e).native(), first) << "a wrapper per call created an event per call";
+
+  // The owned stream's copy runs after the borrowed stream's work.
+  const std::size_t bytes = 16 << 20;
+  void* d = rt::device_alloc(bytes, 0);
+  std::vector<unsigned char> host(bytes, 0);
+  void* h = rt::host_alloc(bytes, rt::kHostMapped);
+  std::memset(h, 5, bytes);
+  gpu::GpuStream owned(0, "test stream");
+  again.copy(d, h, bytes, schedule::Label{"in"});
+  owned.wait(again.record());
+  owned.copy(host.data(), d, bytes, schedule::Label{"out"});
+  owned.record()->synchronize();
+  EXPECT_EQ(host[bytes - 1], 5);
+  rt::host_free(h);
+  rt::device_free(d, 0);
 }
 
 }  // namespace

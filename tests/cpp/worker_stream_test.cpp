@@ -99,6 +99,27 @@ TEST(WorkerStream, AFailureIsStickyAndReachesEveryWaiterAndEveryStreamThatWaited
   EXPECT_EQ(ran, 0) << "work after a failure must not run";
 }
 
+TEST(WorkerStream, WaitingForItsOwnEventQueuesNothingButAnotherStreamsStillFails) {
+  transfer::SerialWorker worker("test worker");
+  WorkerStream a(worker, "a"), b(worker, "b");
+  auto own = a.record();
+  const std::uint64_t before = worker.last_submitted();
+  a.wait(own);
+  EXPECT_EQ(worker.last_submitted(), before) << "a wait for the stream's own event took a worker hop";
+  Work bad;
+  bad.label = Label{"bad"};
+  bad.on_host = [] { throw std::runtime_error("b failed"); };
+  b.enqueue(std::move(bad));
+  a.wait(b.record());  // same worker, other stream: its failure must still reach a
+  int ran = 0;
+  Work later;
+  later.label = Label{"later"};
+  later.on_host = [&] { ++ran; };
+  a.enqueue(std::move(later));
+  EXPECT_THROW(a.record()->synchronize(), std::runtime_error);
+  EXPECT_EQ(ran, 0);
+}
+
 TEST(ImmediateStream, RunsAtOnceAndStaysFailed) {
   ImmediateStream s("host");
   int x = 0;

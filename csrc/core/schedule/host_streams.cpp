@@ -15,6 +15,7 @@ class WorkerEvent : public Event {
               std::shared_ptr<WorkerStream::Failure> failure)
       : worker_(worker), ticket_(ticket), seq_(seq), failure_(std::move(failure)) {}
   bool query() override { return worker_.reached(ticket_); }
+  bool of_stream(const std::shared_ptr<WorkerStream::Failure>& failure) const { return failure_ == failure; }
   void synchronize() override {
     try {
       worker_.wait(ticket_);
@@ -129,8 +130,10 @@ std::shared_ptr<Event> WorkerStream::record() {
 
 void WorkerStream::wait(const std::shared_ptr<Event>& event) {
   if (!event) return;
-  // The worker waits when it gets there (at once for this worker's own
-  // events: it runs in order), and a failed event fails this stream.
+  // This stream's own event: queue order already has it, and its failure is this stream's.
+  if (auto* own = dynamic_cast<WorkerEvent*>(event.get()); own != nullptr && own->of_stream(failure_)) return;
+  // The worker waits when it gets there (at once for another stream's event
+  // on this worker: it runs in order), and a failed event fails this stream.
   submit(Label{"wait", "wait", 0}, [event] { event->synchronize(); }, /*traced=*/false);
 }
 

@@ -57,8 +57,9 @@ class WorkerStream : public Stream {
   void copy(void* dst, const void* src, std::size_t bytes, const Label& label) override;
   void enqueue(Work work) override;
   std::shared_ptr<Event> record() override;
-  // Events of the same worker need no wait (it runs in order); others are
-  // waited for by the worker thread when it gets there.
+  // This stream's own events need nothing (queue order has them); others
+  // are waited for by the worker thread when it gets there (at once when
+  // they are of the same worker), and their failure fails this stream.
   void wait(const std::shared_ptr<Event>& event) override;
   std::string track() const override { return track_; }
   transfer::SerialWorker& worker() const { return worker_; }
