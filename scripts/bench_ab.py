@@ -9,8 +9,9 @@ on shared machines swing by 2x between runs, so each hipferry measurement is
 first divided by a baseline measured in the SAME run (`--baseline
 SUITE=CONTENDER_PREFIX`: the row of that contender with the same size / case;
 defaults below: memcpy for transfer, torch's fused AdamW for optim, the model
-without offload for layers and activations); then each build keeps its best
-normalized value over the rounds. Prints, per suite and field, the geometric
+without offload for layers and activations); then each build keeps the median
+of its normalized values over the rounds (not the best: one slow baseline in
+one run would make a ratio look best). Prints, per suite and field, the geometric
 mean of B/A over hipferry's rows (time fields: < 1 is faster; rate fields:
 > 1 is faster) and writes the per-row table as JSON next to the runs.
 """
@@ -18,6 +19,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 from collections import defaultdict
@@ -33,9 +35,9 @@ def is_rate(field, row):
     return any(w in f for w in RATE_WORDS) or str(row.get("unit", "")).lower() in ("gb/s", "gbps")
 
 
-def key_of(row, drop=()):
-    return tuple(sorted((k, v) for k, v in row.items()
-                        if isinstance(v, (str, int, bool)) and not isinstance(v, float) and k not in drop))
+def key_of(row):
+    """Who and what a row measures (never an outcome such as a hit count, which differs between builds)."""
+    return (("contender", row.get("contender")),) + group_of(row)
 
 
 GROUP_KEYS = ("case", "direction", "bytes", "measure", "params", "regime", "width", "tokens", "layers")
@@ -62,13 +64,14 @@ def normalized(rows, prefix):
     return out
 
 
-def run(site, suites, out, quick, device):
+def run(site, suites, out, quick, device, reuse=False):
     env = dict(os.environ, PYTHONPATH=os.path.abspath(site))
     cmd = [sys.executable, "-m", "hipferry", "bench", *suites, "--out", out, "--device", device]
     if quick:
         cmd.append("--quick")
-    print("$ PYTHONPATH=" + env["PYTHONPATH"] + " " + " ".join(cmd), flush=True)
-    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
+    if not reuse:
+        print("$ PYTHONPATH=" + env["PYTHONPATH"] + " " + " ".join(cmd), flush=True)
+        subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
     return {s: json.load(open(os.path.join(out, f"{s}.json")))["rows"] for s in suites}
 
 
@@ -81,16 +84,17 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--baseline", action="append", default=[], metavar="SUITE=CONTENDER_PREFIX")
+    ap.add_argument("--reuse", action="store_true", help="summarize the rounds already in --out, run nothing")
     ap.add_argument("suites", nargs="+")
     args = ap.parse_args()
-    best = {"a": defaultdict(dict), "b": defaultdict(dict)}  # build -> (suite, key) -> field -> best
+    seen = {"a": defaultdict(dict), "b": defaultdict(dict)}  # build -> (suite, key) -> field -> values
     rows_of = {}
     for r in range(args.rounds):
         order = ("a", "b") if r % 2 == 0 else ("b", "a")
         for build in order:
             print(f"round {r + 1}/{args.rounds}: build {build.upper()}", flush=True)
             res = run(getattr(args, build), args.suites, os.path.join(args.out, f"{build}-{r + 1}"), args.quick,
-                      args.device)
+                      args.device, args.reuse)
             for suite, rows in res.items():
                 prefix = dict(BASELINES, **dict(b.split("=", 1) for b in args.baseline)).get(suite)
                 for row, values in normalized(rows, prefix):
@@ -99,11 +103,10 @@ def main():
                     k = (suite, key_of(row))
                     rows_of[k] = row
                     for f, v in values.items():
-                        if not math.isfinite(v):
-                            continue
-                        old = best[build][k].get(f)
-                        better = max if is_rate(f, row) else min
-                        best[build][k][f] = v if old is None else better(old, v)
+                        if math.isfinite(v):
+                            seen[build][k].setdefault(f, []).append(v)
+    best = {build: {k: {f: statistics.median(vs) for f, vs in fields.items()} for k, fields in per.items()}
+            for build, per in seen.items()}
     table, summary = [], defaultdict(list)
     for k, fields in best["b"].items():
         for f, vb in fields.items():
