@@ -105,12 +105,12 @@ def main():
                     for f, v in values.items():
                         if math.isfinite(v):
                             seen[build][k].setdefault(f, []).append(v)
-    best = {build: {k: {f: statistics.median(vs) for f, vs in fields.items()} for k, fields in per.items()}
-            for build, per in seen.items()}
+    median = {build: {k: {f: statistics.median(vs) for f, vs in fields.items()} for k, fields in per.items()}
+              for build, per in seen.items()}
     table, summary = [], defaultdict(list)
-    for k, fields in best["b"].items():
+    for k, fields in median["b"].items():
         for f, vb in fields.items():
-            va = best["a"].get(k, {}).get(f)
+            va = median["a"].get(k, {}).get(f)
             if va is None:
                 continue
             ratio = vb / va

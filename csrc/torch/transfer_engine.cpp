@@ -297,17 +297,10 @@ std::shared_ptr<Transfer> start_transfer(TransferRequest r) {
   handle->results_count_ = r.sources.size();
 
   // --- results; sources made contiguous (on the current stream when on a GPU) ---
-  // A small host copy runs before start_transfer returns: its sources need no holding.
-  std::size_t host_bytes = 0;
-  for (const at::Tensor& t : r.sources) {
-    host_bytes += static_cast<std::size_t>(t.numel()) * c10::elementSize(r.dtype.value_or(t.scalar_type()));
-  }
-  const bool copied_now = !gpu && engine::host_copy_runs_inline(host_bytes);
   std::vector<at::Tensor> sources, results;
   for (const at::Tensor& t : r.sources) {
     // Lazy conjugate / negative views are materialized: the copy moves bytes.
     at::Tensor src = t.resolve_conj().resolve_neg().contiguous();
-    if (!copied_now) src = held_source(t, std::move(src));
     const at::ScalarType out_type = r.dtype.value_or(t.scalar_type());
     // Host results come from the pool: cached blocks, so a copy does not pay
     // for faulting in fresh pages (which costs more than the copy itself).
@@ -316,6 +309,12 @@ std::shared_ptr<Transfer> start_transfer(TransferRequest r) {
     handle->nbytes_ += dst.nbytes();
     sources.push_back(std::move(src));
     results.push_back(std::move(dst));
+  }
+  // A small host copy runs before start_transfer returns (the path's own rule,
+  // on the same destination bytes): its sources need no holding.
+  const bool copied_now = !gpu && engine::host_copy_runs_inline(handle->nbytes_);
+  if (!copied_now) {
+    for (std::size_t i = 0; i < sources.size(); ++i) sources[i] = held_source(r.sources[i], std::move(sources[i]));
   }
   std::vector<engine::CopyItem> items;
   for (std::size_t i = 0; i < sources.size(); ++i) {
