@@ -286,28 +286,28 @@ TEST(HostPool, SplitBlocksCoalesceInAnyFreeOrder) {
   f.pool->deallocate(whole.host);
 }
 
-TEST(HostPool, OwnSegmentIsNeverSplitAndReusedOnlyWithinAnEighth) {
+// An own segment, once cached, serves smaller requests by splitting: the rest
+// stays free for others, and the blocks merge back when freed.
+TEST(HostPool, ACachedOwnSegmentIsSplitForSmallerRequestsAndMergesBack) {
   Fixture f;
   const auto a = f.pool->allocate(1 * MiB);
   ASSERT_EQ(segment_bytes(*f.mem, a.host), 1 * MiB);
   EXPECT_EQ(a.size, 1 * MiB);
   f.pool->deallocate(a.host);
-  // 64 KiB and exactly 128 KiB (1/8) of waste: the cached segment, whole.
-  for (std::size_t n : {960 * KiB, 896 * KiB}) {
-    const auto b = f.pool->allocate(n);
-    EXPECT_EQ(b.host, a.host) << n;
-    EXPECT_EQ(b.size, 1 * MiB) << n;
-    EXPECT_EQ(f.stats().cached_free_bytes, 0u) << "an own segment was split for " << n;
-    f.pool->deallocate(b.host);
-  }
+  const auto b = f.pool->allocate(832 * KiB);
+  EXPECT_EQ(b.host, a.host);
+  EXPECT_EQ(b.size, 832 * KiB);
+  EXPECT_EQ(f.stats().cached_free_bytes, 192 * KiB) << "the rest of the segment stays free";
+  const auto c = f.pool->allocate(192 * KiB);  // served by the rest
+  EXPECT_EQ(c.host, static_cast<char*>(a.host) + 832 * KiB);
   EXPECT_EQ(f.stats().system_allocs, 1u);
-  // 192 KiB of waste is too much: a new segment; the cached one stays whole.
-  const auto c = f.pool->allocate(832 * KiB);
-  EXPECT_FALSE(overlaps(c, a.host, 1 * MiB));
-  EXPECT_EQ(c.size, 832 * KiB);
-  EXPECT_EQ(f.stats().system_allocs, 2u);
-  EXPECT_EQ(f.stats().cached_free_bytes, 1 * MiB);
+  f.pool->deallocate(b.host);
   f.pool->deallocate(c.host);
+  EXPECT_EQ(f.stats().cached_free_bytes, 1 * MiB);
+  const auto d = f.pool->allocate(1 * MiB);  // merged back: the whole segment again
+  EXPECT_EQ(d.host, a.host);
+  EXPECT_EQ(f.stats().system_allocs, 1u);
+  f.pool->deallocate(d.host);
   f.pool->check_invariants();
 }
 
@@ -443,7 +443,7 @@ TEST(HostPool, CapacityErrorNamesRequestAndCapacityAndLeavesThePoolUsable) {
 
 // --- reserve -------------------------------------------------------------------
 
-TEST(HostPool, ReserveIsPreallocatedServesMediumBlocksAndSurvivesTrim) {
+TEST(HostPool, ReserveIsPreallocatedServesEverySizeClassAndSurvivesTrim) {
   PoolOptions o = small_options();
   o.reserve_bytes = 1 * MiB + 100;  // rounded up to the 64 KiB granule
   Fixture f(o);
@@ -461,12 +461,18 @@ TEST(HostPool, ReserveIsPreallocatedServesMediumBlocksAndSurvivesTrim) {
   EXPECT_EQ(seg->bytes, reserve);  // carved from the reserve
   EXPECT_EQ(f.stats().system_allocs, 1u);
   EXPECT_EQ(f.stats().cache_hits, 1u);
-  const auto small = f.pool->allocate(100);  // small blocks come from small segments
-  EXPECT_EQ(segment_bytes(*f.mem, small.host), 64 * KiB);
+  const auto small = f.pool->allocate(100);  // no small segment has room: the reserve serves it too
+  EXPECT_EQ(segment_bytes(*f.mem, small.host), reserve);
+  EXPECT_EQ(f.stats().system_allocs, 1u);
+  const auto small2 = f.pool->allocate(100);
   f.pool->deallocate(m.host);
   f.pool->deallocate(small.host);
+  f.pool->deallocate(small2.host);
+  f.pool->deallocate(f.pool->allocate(200 * KiB).host);  // the reserve again (it merged back)
+  EXPECT_EQ(f.stats().system_allocs, 1u);
+  f.pool->deallocate(f.pool->allocate(100 * KiB + 2 * MiB).host);  // larger than the reserve: an own segment
 
-  EXPECT_EQ(f.pool->trim(), 64 * KiB);  // the small segment, not the reserve
+  EXPECT_EQ(f.pool->trim(), 2 * MiB + 128 * KiB);  // the own segment, not the reserve
   EXPECT_EQ(f.pool->trim(), 0u);
   EXPECT_EQ(f.stats().reserved_bytes, reserve);
   EXPECT_EQ(f.mem->live_segments(), 1u);
@@ -476,7 +482,7 @@ TEST(HostPool, ReserveIsPreallocatedServesMediumBlocksAndSurvivesTrim) {
   f.pool->check_invariants();
 }
 
-TEST(HostPool, ReserveAboveTheCapacityThrowsCapacityError) {
+TEST(HostPool, ReserveAboveTheCapacityThrowsAndAReserveOfAllOfItServesSmallBlocks) {
   auto mem = FakeMemory::make();
   auto streams = FakeStreams::make();
   PoolOptions o = small_options();
@@ -485,12 +491,14 @@ TEST(HostPool, ReserveAboveTheCapacityThrowsCapacityError) {
   EXPECT_THROW(HostPool(mem->provider(), streams->source(), o), PoolCapacityError);
   EXPECT_EQ(mem->allocs(), 0u);
 
-  // The reserve counts against the capacity: a reserve of all of it leaves
-  // nothing for small blocks, which never come from the reserve.
+  // The reserve counts against the capacity, and serves every size class: a
+  // reserve of all of it serves small blocks too (it did not, once).
   o.reserve_bytes = 1 * MiB;
   HostPool pool(mem->provider(), streams->source(), o);
-  EXPECT_THROW(pool.allocate(100), PoolCapacityError);
-  const auto m = pool.allocate(200 * KiB);  // medium blocks do
+  const auto s = pool.allocate(100);
+  const auto m = pool.allocate(200 * KiB);
+  EXPECT_EQ(pool.stats().system_allocs, 1u);
+  pool.deallocate(s.host);
   pool.deallocate(m.host);
   pool.check_invariants();
 }
@@ -817,11 +825,12 @@ TEST(HostPool, BadInputThrowsPoolErrorAndChangesNothing) {
 
 TEST(HostPool, CloseRefusesAllocationsAndReleasesBlocksAsTheyAreFreed) {
   PoolOptions o = small_options();
-  o.reserve_bytes = 256 * KiB;
+  o.reserve_bytes = 128 * KiB;
   Fixture f(o);
-  const auto small = f.pool->allocate(100);         // a small segment
-  const auto medium = f.pool->allocate(128 * KiB);  // the reserve
-  ASSERT_EQ(segment_bytes(*f.mem, medium.host), 256 * KiB);
+  const auto medium = f.pool->allocate(128 * KiB);  // the reserve, all of it
+  const auto small = f.pool->allocate(100);         // a small segment (the reserve is full)
+  ASSERT_EQ(segment_bytes(*f.mem, medium.host), 128 * KiB);
+  ASSERT_EQ(segment_bytes(*f.mem, small.host), 64 * KiB);
   f.pool->deallocate(f.pool->allocate(200 * KiB).host);  // a cached large segment
   const auto parked = f.pool->allocate(2000);            // the small segment, parked on s0
   f.pool->record_use(parked.host, kS0);

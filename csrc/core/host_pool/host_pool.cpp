@@ -109,7 +109,7 @@ HostPool::~HostPool() {
 std::set<HostPool::Block*, HostPool::BySizeThenAddress>& HostPool::free_set(SegmentKind kind) {
   switch (kind) {
     case SegmentKind::kSmall: return free_small_;
-    case SegmentKind::kOwn: return free_own_;
+    case SegmentKind::kReserve: return free_reserve_;
     default: return free_large_;
   }
 }
@@ -122,13 +122,16 @@ HostPool::Block* HostPool::find_free(std::size_t size, bool small) {
     auto it = set.lower_bound(&key);
     return it == set.end() ? nullptr : *it;
   };
-  if (small) return first_fit(free_small_);
-  Block* split = first_fit(free_large_);
-  Block* own = first_fit(free_own_);
-  // An own segment is never split: it serves a request that wastes <= 1/8 of it.
-  if (own != nullptr && own->size - size > own->size / 8) own = nullptr;
-  if (own != nullptr && (split == nullptr || own->size <= split->size)) return own;
-  return split;
+  // The reserve serves every size class; small requests take it only when
+  // their own segments have no room (small blocks would pin large free space).
+  Block* reserve = first_fit(free_reserve_);
+  if (small) {
+    Block* b = first_fit(free_small_);
+    return b != nullptr ? b : reserve;
+  }
+  Block* large = first_fit(free_large_);
+  if (large == nullptr) return reserve;
+  return reserve != nullptr && reserve->size <= large->size ? reserve : large;
 }
 
 HostPool::Allocation HostPool::hand_out(Block* b, std::size_t size, std::size_t requested) {
@@ -137,7 +140,7 @@ HostPool::Allocation HostPool::hand_out(Block* b, std::size_t size, std::size_t 
   free_bytes_ -= b->size;
   if (b->size == s->size && s->kind != SegmentKind::kReserve) fully_free_bytes_ -= s->size;
   const std::size_t rest = b->size - size;
-  if (s->kind != SegmentKind::kOwn && rest >= kAlignment) {
+  if (rest >= kAlignment) {  // (an own segment too: its rest serves smaller requests)
     Block* r = new Block{b->host + size, rest, 0, s, b, b->next, BlockState::kFree, {}};
     if (b->next != nullptr) b->next->prev = r;
     b->next = r;
@@ -200,11 +203,23 @@ HostPool::Allocation HostPool::allocate(std::size_t bytes) {
   {
     std::unique_lock<std::mutex> lock(mutex_);
     bool reclaimed = false;  // the reclaimer is asked once per allocation
+    bool growth_checked = false;  // the growth bound is applied once per allocation
     for (;;) {
       if (closed_) throw closed_error();
       if (Block* b = find_free(size, small)) {
         ++stats_.cache_hits;
         return hand_out(b, size, bytes);
+      }
+      if (!growth_checked) {
+        growth_checked = true;
+        SegmentList cached;
+        collect_for_growth(bytes, segment_bytes, cached);
+        if (!cached.empty()) {
+          lock.unlock();
+          release_segments(cached);
+          lock.lock();
+          continue;
+        }
       }
       if (segment_bytes <= options_.capacity - stats_.reserved_bytes - pending_bytes_) break;
       // Over the cap: first give back cached free segments...
@@ -394,6 +409,42 @@ void HostPool::collect_free_segments(std::size_t keep_cached, bool include_reser
   }
 }
 
+void HostPool::collect_for_growth(std::size_t bytes, std::size_t segment_bytes, SegmentList& out) {
+  if (options_.growth_limit <= 0 || fully_free_bytes_ == 0) return;
+  const double bound = options_.growth_limit * static_cast<double>(stats_.requested_bytes + bytes) +
+                       static_cast<double>(options_.growth_slack_bytes);
+  const double after = static_cast<double>(stats_.reserved_bytes + pending_bytes_ + segment_bytes);
+  if (after <= bound) return;
+  // Give back just enough (whole segments, the largest first: fewest provider calls).
+  std::size_t excess = static_cast<std::size_t>(after - bound);
+  std::vector<Segment*> candidates;
+  for (const auto& s : segments_) {
+    if (s->kind != SegmentKind::kReserve && s->first->state == BlockState::kFree && s->first->size == s->size)
+      candidates.push_back(s.get());
+  }
+  std::sort(candidates.begin(), candidates.end(), [](const Segment* a, const Segment* b) { return a->size > b->size; });
+  std::vector<Segment*> chosen;
+  for (Segment* c : candidates) {
+    if (excess == 0) break;
+    chosen.push_back(c);
+    excess = c->size >= excess ? 0 : excess - c->size;
+  }
+  for (Segment* c : chosen) {
+    auto it = std::find_if(segments_.begin(), segments_.end(), [c](const auto& p) { return p.get() == c; });
+    free_set(c->kind).erase(c->first);
+    free_bytes_ -= c->size;
+    fully_free_bytes_ -= c->size;
+    stats_.reserved_bytes -= c->size;
+    ++stats_.system_frees;
+    ++stats_.growth_releases;
+    delete c->first;
+    c->first = nullptr;
+    out.push_back(std::move(*it));
+    *it = std::move(segments_.back());
+    segments_.pop_back();
+  }
+}
+
 void HostPool::release_segments(const SegmentList& segments) {
   for (const auto& s : segments) provider_->release(s->memory, s->size);
 }
@@ -518,7 +569,7 @@ void HostPool::check_invariants() const {
   std::lock_guard<std::mutex> lock(mutex_);
   const auto fail = [](const std::string& what) { throw std::logic_error("hipferry pinned pool invariant: " + what); };
   std::size_t reserved = 0, allocated = 0, free_bytes = 0, fully_free = 0, live = 0, waiting = 0;
-  std::size_t free_small = 0, free_large = 0, free_own = 0, requested = 0;
+  std::size_t free_small = 0, free_large = 0, free_reserve = 0, requested = 0;
   for (const auto& s : segments_) {
     reserved += s->size;
     const char* expect = static_cast<const char*>(s->memory.host);
@@ -531,13 +582,12 @@ void HostPool::check_invariants() const {
       expect += b->size;
       if (b->state == BlockState::kFree) {
         free_bytes += b->size;
-        if (prev != nullptr && prev->state == BlockState::kFree && s->kind != SegmentKind::kOwn)
-          fail("two free neighbours not coalesced");
-        const auto& set = s->kind == SegmentKind::kSmall ? free_small_
-                          : s->kind == SegmentKind::kOwn ? free_own_
-                                                         : free_large_;
+        if (prev != nullptr && prev->state == BlockState::kFree) fail("two free neighbours not coalesced");
+        const auto& set = s->kind == SegmentKind::kSmall     ? free_small_
+                          : s->kind == SegmentKind::kReserve ? free_reserve_
+                                                             : free_large_;
         if (set.count(const_cast<Block*>(b)) == 0) fail("free block missing from its free set");
-        (s->kind == SegmentKind::kSmall ? free_small : s->kind == SegmentKind::kOwn ? free_own : free_large) += 1;
+        (s->kind == SegmentKind::kSmall ? free_small : s->kind == SegmentKind::kReserve ? free_reserve : free_large) += 1;
         if (b->size == s->size && s->kind != SegmentKind::kReserve) fully_free += s->size;
       } else {
         allocated += b->size;
@@ -553,7 +603,7 @@ void HostPool::check_invariants() const {
     }
     if (expect != static_cast<const char*>(s->memory.host) + s->size) fail("blocks do not cover their segment");
   }
-  if (free_small != free_small_.size() || free_large != free_large_.size() || free_own != free_own_.size())
+  if (free_small != free_small_.size() || free_large != free_large_.size() || free_reserve != free_reserve_.size())
     fail("free sets hold non-free blocks");
   if (reserved != stats_.reserved_bytes) fail("reserved_bytes != sum of segment sizes");
   if (allocated != stats_.allocated_bytes) fail("allocated_bytes != live + waiting blocks");

@@ -6,16 +6,22 @@
 // Segments come from a HostMemoryProvider (hipHostMalloc, hipHostRegister,
 // or ordinary memory) and are carved into blocks:
 //   - small requests (<= small_max) are rounded to their size class and carved
-//     from small segments; medium requests (<= own_segment_threshold) likewise
-//     from large segments (and from the reserve); a free block is split when
-//     the rest is worth keeping, and a freed block merges with free address
+//     from small segments, or from the reserve when no small segment has
+//     room; medium requests (<= own_segment_threshold) likewise from large
+//     segments, own segments and the reserve. A free block is split when the
+//     rest is worth keeping, and a freed block merges with free address
 //     neighbours, so a segment whose blocks are all free is one free block.
-//   - a larger request is served from free space of large segments or the
-//     reserve when some fits; otherwise it gets a new segment of its own. Own
-//     segments are never split; a cached one serves a later request that
-//     wastes at most 1/8 of it.
+//   - a larger request is served from the same free space when some fits;
+//     otherwise it gets a new segment of its own, which, once cached, is
+//     split like any other for later requests (never handed out whole to a
+//     request it does not cover: pytorch#192722).
 //   - lookup is best fit: the smallest free block (then the lowest address)
 //     that is large enough, O(log n) in one std::set per kind of segment.
+//   - bounded growth: before a new segment would take reserved bytes past
+//     growth_limit x requested + growth_slack_bytes, cached fully free
+//     segments (which cannot serve the request) go back to the provider.
+//     Under churn (sizes that change, round after round) reserved then stays
+//     within about 1.1x of requested (tests/cpp/host_pool_growth_test.cpp).
 // Stream-ordered reuse: record_use() notes each stream that used a live
 // block; deallocate() of such a block records one event per stream and parks
 // the block as "waiting"; it becomes free only once all its events completed.
@@ -74,6 +80,14 @@ struct PoolOptions {
   std::size_t small_segment_bytes = std::size_t{2} << 20;    // segment size for small blocks
   std::size_t large_segment_bytes = std::size_t{32} << 20;   // segment size for medium blocks
   std::size_t own_segment_threshold = std::size_t{16} << 20; // above: a segment of its own
+  // Growth bound: before the pool takes a new segment that would make it
+  // reserve more than growth_limit x (bytes requested, this request included)
+  // + growth_slack_bytes, it gives cached fully free segments back to the
+  // provider (they cannot serve the request, or it would not need a new one).
+  // The slack keeps a small pool from trading segments back and forth.
+  // growth_limit 0: no bound.
+  double growth_limit = 1.15;
+  std::size_t growth_slack_bytes = std::size_t{32} << 20;
 };
 
 struct PoolStats {
@@ -91,6 +105,7 @@ struct PoolStats {
   std::uint64_t cache_hits = 0;    // allocations served without the provider
   std::uint64_t cache_misses = 0;  // allocations that needed a new segment
   std::uint64_t reclaims = 0;      // over-capacity allocations the reclaimer let go of memory for
+  std::uint64_t growth_releases = 0;  // cached segments given back to stay within growth_limit
   std::uint64_t system_allocs = 0;
   std::uint64_t system_frees = 0;
   std::uint64_t system_alloc_ns = 0;  // time spent inside provider allocate()
@@ -185,6 +200,9 @@ class HostPool {
   void merge_with_next(Block* block);  // both free and in their set
   void detach_segment(Segment* segment);
   void collect_free_segments(std::size_t keep_cached, bool include_reserve, SegmentList& out);
+  // Takes out the cached fully free segments a new segment of `segment_bytes`
+  // (for a request of `bytes`) must give back to stay within growth_limit.
+  void collect_for_growth(std::size_t bytes, std::size_t segment_bytes, SegmentList& out);
   Segment* add_segment(const HostSegment& memory, std::size_t size, SegmentKind kind);
   [[noreturn]] void throw_capacity(std::size_t bytes, std::size_t segment_bytes) const;
 
@@ -209,8 +227,8 @@ class HostPool {
   mutable std::mutex mutex_;
   // --- guarded by mutex_ ---
   std::set<Block*, BySizeThenAddress> free_small_;  // free blocks of small segments
-  std::set<Block*, BySizeThenAddress> free_large_;  // free blocks of large and reserve segments
-  std::set<Block*, BySizeThenAddress> free_own_;    // free own segments (always whole)
+  std::set<Block*, BySizeThenAddress> free_large_;    // free blocks of large and own segments
+  std::set<Block*, BySizeThenAddress> free_reserve_;  // free blocks of the reserve (every size class)
   std::unordered_map<void*, Block*> live_;          // live blocks by host address
   std::vector<Waiting> waiting_;                     // parked blocks with their events
   std::size_t waiting_in_flight_ = 0;  // waiting blocks taken out of waiting_ to be polled
