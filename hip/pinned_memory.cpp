@@ -3,6 +3,7 @@
 
 #include <cstdlib>
 #include <stdexcept>
+#include <system_error>
 #include <thread>
 
 #include "csrc/core/host_pool/size_classes.h"
@@ -35,8 +36,13 @@ void touch_pages(char* p, std::size_t bytes, int threads) {
   };
   const std::size_t n = threads > 1 ? static_cast<std::size_t>(threads) : 1;
   std::vector<std::thread> workers;
-  for (std::size_t t = 1; t < n; ++t) workers.emplace_back(touch, pages * t / n, pages * (t + 1) / n);
+  std::size_t started = 1;  // pieces [1, started) have a thread
+  try {
+    for (; started < n; ++started) workers.emplace_back(touch, pages * started / n, pages * (started + 1) / n);
+  } catch (const std::system_error&) {  // no more threads (ulimit, a container): this one does the rest
+  }
   touch(0, pages / n);
+  for (std::size_t t = started; t < n; ++t) touch(pages * t / n, pages * (t + 1) / n);
   for (auto& w : workers) w.join();
 }
 

@@ -79,12 +79,16 @@ void destroy_pinned_pool(std::int64_t id) {
 }
 
 at::Tensor pool_empty(std::int64_t pool_id, at::IntArrayRef sizes, at::ScalarType dtype) {
-  std::int64_t numel = 1;
+  bool empty = false;
   for (std::size_t i = 0; i < sizes.size(); ++i) {
     TORCH_CHECK(sizes[i] >= 0, "hipferry.PinnedPool.empty: size has a negative dimension ", sizes[i],
                 " at index ", i, "; expected sizes >= 0");
-    TORCH_CHECK(sizes[i] == 0 || numel <= (std::int64_t{1} << 50) / sizes[i],
-                "hipferry.PinnedPool.empty: size ", sizes, " has more than 2^50 elements; expected a size that fits in host memory");
+    empty = empty || sizes[i] == 0;
+  }
+  std::int64_t numel = empty ? 0 : 1;  // a zero-element shape is fine however large its other dimensions
+  for (std::size_t i = 0; i < sizes.size() && !empty; ++i) {
+    TORCH_CHECK(numel <= (std::int64_t{1} << 50) / sizes[i], "hipferry.PinnedPool.empty: size ", sizes,
+                " has more than 2^50 elements; expected a size that fits in host memory");
     numel *= sizes[i];
   }
   TORCH_CHECK(!c10::isQIntType(dtype) && dtype != at::ScalarType::Undefined,

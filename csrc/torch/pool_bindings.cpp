@@ -41,7 +41,7 @@ py::dict pool_stats(std::int64_t id) {
 }
 
 std::int64_t create(const std::string& provider, unsigned flags, int register_threads, std::size_t capacity,
-                    std::size_t max_cached_bytes, std::size_t reserve_bytes) {
+                    std::size_t max_cached_bytes, std::size_t reserve_bytes, const std::string& capacity_origin) {
   PinnedPoolConfig config;
   config.provider = provider;
   config.flags = flags;
@@ -49,6 +49,7 @@ std::int64_t create(const std::string& provider, unsigned flags, int register_th
   config.options.capacity = capacity;
   config.options.max_cached_bytes = max_cached_bytes;
   config.options.reserve_bytes = reserve_bytes;
+  config.options.capacity_origin = capacity_origin;
   py::gil_scoped_release no_gil;  // the reserve may take a while to pin
   return create_pinned_pool(config);
 }
@@ -58,7 +59,7 @@ std::int64_t create(const std::string& provider, unsigned flags, int register_th
 void bind_pinned_pool(py::module_& m) {
   py::register_exception<pool::PoolError>(m, "PoolError", PyExc_RuntimeError);
   m.def("create_pinned_pool", &create, py::arg("provider"), py::arg("flags"), py::arg("register_threads"),
-        py::arg("capacity"), py::arg("max_cached_bytes"), py::arg("reserve_bytes"));
+        py::arg("capacity"), py::arg("max_cached_bytes"), py::arg("reserve_bytes"), py::arg("capacity_origin") = "");
   m.def("destroy_pinned_pool", [](std::int64_t id) {
     py::gil_scoped_release no_gil;
     destroy_pinned_pool(id);

@@ -14,6 +14,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from . import _C
+from .host_memory import default_budget
 
 Size = Union[int, str, None]
 
@@ -29,7 +30,10 @@ _PROVIDERS = ("auto", "host_alloc", "register", "pageable")
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
           "t": 1000**4, "tb": 1000**4, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _MIN_CAPACITY = 256  # one block
+_RESERVE_GRANULE = 64 << 10  # the reserve is one segment, rounded up to this (size_classes.h: kOwnSegmentGranule)
+_MAX_DIM = 2**63 - 1
 _UNLIMITED = 2**64 - 1
+MAX_REGISTER_THREADS = 64  # page-touching threads of provider="register" (more only contend for the page tables)
 
 
 def parse_bytes(value: Size, name: str) -> Optional[int]:
@@ -77,6 +81,9 @@ def _check_shape(size: Sequence[Any]) -> list:
             raise TypeError(f"hipferry.PinnedPool.empty: size must be ints, got {type(d).__name__} at index {i}")
         if d < 0:
             raise ValueError(f"hipferry.PinnedPool.empty: size must be >= 0 in every dimension, got {d} at index {i}")
+        if d > _MAX_DIM:
+            raise ValueError(f"hipferry.PinnedPool.empty: size must be at most 2**63 - 1 in every dimension, got {d} "
+                             f"at index {i}")
         shape.append(d)
     return shape
 
@@ -107,20 +114,27 @@ class PinnedPool:
     def __init__(self, capacity: Size = None, *, max_cached: Size = None, reserve: Size = 0,
                  provider: str = "auto", portable: bool = True, mapped: bool = True,
                  coherent: Optional[bool] = None, numa_user: bool = False, write_combined: bool = False,
-                 register_threads: int = 8):
+                 register_threads: int = 8, _capacity_origin: str = ""):
         cap = parse_bytes(capacity, "capacity")
         if cap is not None and cap < _MIN_CAPACITY:
             raise ValueError(f"hipferry.PinnedPool: capacity must be at least {_MIN_CAPACITY} bytes (one block), "
                              f"got {cap}")
         cached = parse_bytes(max_cached, "max_cached")
         reserve_bytes = parse_bytes(reserve, "reserve") or 0
-        if cap is not None and reserve_bytes > cap:
-            raise ValueError(f"hipferry.PinnedPool: reserve ({reserve_bytes} bytes) must not exceed capacity "
-                             f"({cap} bytes)")
+        for name, v in (("capacity", cap), ("max_cached", cached), ("reserve", reserve_bytes)):
+            if v is not None and v > _UNLIMITED:
+                raise ValueError(f"hipferry.PinnedPool: {name} must be at most 2**64 - 1 bytes (None: no bound), "
+                                 f"got {v}")
+        if cap is not None and -(-reserve_bytes // _RESERVE_GRANULE) * _RESERVE_GRANULE > cap:
+            rounded = -(-reserve_bytes // _RESERVE_GRANULE) * _RESERVE_GRANULE
+            raise ValueError(f"hipferry.PinnedPool: reserve ({reserve_bytes} bytes, {rounded} once rounded up to "
+                             f"the pool's 64 KiB segment granule) must not exceed capacity ({cap} bytes)")
         if provider not in _PROVIDERS:
             raise ValueError(f"hipferry.PinnedPool: provider must be one of {_PROVIDERS}, got {provider!r}")
-        if isinstance(register_threads, bool) or not isinstance(register_threads, int) or register_threads < 1:
-            raise ValueError(f"hipferry.PinnedPool: register_threads must be an int >= 1, got {register_threads!r}")
+        if isinstance(register_threads, bool) or not isinstance(register_threads, int) or \
+                not 1 <= register_threads <= MAX_REGISTER_THREADS:
+            raise ValueError(f"hipferry.PinnedPool: register_threads must be an int from 1 to "
+                             f"{MAX_REGISTER_THREADS}, got {register_threads!r}")
         for flag, value in (("portable", portable), ("mapped", mapped), ("numa_user", numa_user),
                             ("write_combined", write_combined)):
             if not isinstance(value, bool):  # "no" or [] would silently mean True / False
@@ -131,7 +145,8 @@ class PinnedPool:
         self._provider_kind = provider
         self._id = _C.create_pinned_pool(provider, _flags(portable, mapped, coherent, numa_user, write_combined),
                                          register_threads, _UNLIMITED if cap is None else cap,
-                                         _UNLIMITED if cached is None else cached, reserve_bytes)
+                                         _UNLIMITED if cached is None else cached, reserve_bytes,
+                                         _capacity_origin)
 
     # --- allocation -----------------------------------------------------------------
     def empty(self, *size: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -170,13 +185,13 @@ class PinnedPool:
         if t.device.type != "cpu" or not _C.pool_owns(pool_id, t.untyped_storage().data_ptr()):
             raise ValueError("hipferry.PinnedPool.record_use: t must be a tensor allocated from this pool "
                              f"(PinnedPool.empty or hipferry.pin), got a {t.device} tensor that is not")
+        if stream is not None and (not hasattr(stream, "cuda_stream") or not hasattr(stream, "device")):
+            raise TypeError("hipferry.PinnedPool.record_use: stream must be a torch.cuda.Stream or None, "
+                            f"got {type(stream).__name__}")  # (checked on machines without a GPU too)
         if stream is None:
             if _C.device_count() == 0:
                 return
             stream = torch.cuda.current_stream()
-        if not hasattr(stream, "cuda_stream") or not hasattr(stream, "device"):
-            raise TypeError("hipferry.PinnedPool.record_use: stream must be a torch.cuda.Stream or None, "
-                            f"got {type(stream).__name__}")
         if _C.device_count() == 0:
             raise ValueError("hipferry.PinnedPool.record_use: a GPU stream was given but this process sees "
                              "no GPU through hipferry; expected stream=None")
@@ -264,10 +279,16 @@ def parse_pool_config(text: str) -> dict:
         key, value = key.strip(), value.strip()
         if not sep or not key:
             raise ValueError(f"hipferry: {ENV_VAR} entries must be key=value, got {item!r}")
-        if key in ("capacity", "max_cached", "reserve", "provider"):
+        if key in ("capacity", "max_cached") and value.lower() == "none":
+            config[key] = None  # no bound
+        elif key in ("capacity", "max_cached", "reserve", "provider"):
             config[key] = value
         elif key == "register_threads":
-            config[key] = int(value)
+            try:
+                config[key] = int(value)
+            except ValueError:
+                raise ValueError(f"hipferry: {ENV_VAR} register_threads must be an integer from 1 to "
+                                 f"{MAX_REGISTER_THREADS}, got {value!r}") from None
         elif key in ("portable", "mapped", "numa_user", "write_combined", "coherent"):
             if value.lower() not in ("0", "1", "true", "false", "none"):
                 raise ValueError(f"hipferry: {ENV_VAR} {key} must be true/false, got {value!r}")
@@ -288,7 +309,8 @@ def configure_default_pool(**kwargs: Any) -> None:
             raise RuntimeError("hipferry.configure_default_pool: the default pool already exists; configure it "
                                "before the first hipferry.default_pool()/pin() call")
         # Values are checked when the pool is made; names are checked now.
-        allowed = [p for p in inspect.signature(PinnedPool.__init__).parameters if p != "self"]
+        allowed = [p for p in inspect.signature(PinnedPool.__init__).parameters
+                   if p != "self" and not p.startswith("_")]
         unknown = sorted(set(kwargs) - set(allowed))
         if unknown:
             raise TypeError(f"hipferry.configure_default_pool: unknown arguments {unknown}; expected {list(allowed)}")
@@ -302,11 +324,22 @@ def default_pool_config() -> dict:
 
 def default_pool() -> PinnedPool:
     """The process-wide pool hipferry uses when no ``pool=`` is given, made on
-    first use from ``configure_default_pool()`` or ``$HIPFERRY_PINNED_POOL``."""
+    first use from ``configure_default_pool()`` or ``$HIPFERRY_PINNED_POOL``.
+    Without a ``capacity`` there, its capacity is the default budget
+    (``hipferry.host_memory``: half of what the machine or the process's cgroup
+    has available when it is made); ``capacity=None`` asks for no bound."""
     global _default_pool
     with _default_lock:
         if _default_pool is None or _default_pool.closed:
-            _default_pool = PinnedPool(**default_pool_config())
+            config = default_pool_config()
+            if "capacity" not in config:
+                budget, why = default_budget()
+                if budget is not None:
+                    config["capacity"] = max(budget, _MIN_CAPACITY)
+                    config["_capacity_origin"] = (
+                        f"the default pool's budget, {why}; raise it with HIPFERRY_PINNED_POOL=capacity=<bytes> "
+                        "or hipferry.configure_default_pool(capacity=...) (None: no bound)")
+            _default_pool = PinnedPool(**config)
         return _default_pool
 
 

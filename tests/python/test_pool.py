@@ -142,16 +142,28 @@ def test_reserve_is_allocated_up_front_and_survives_trim():
         assert p.stats()["reserved_bytes"] == 64 * MiB
 
 
-@pytest.mark.xfail(strict=True, raises=torch.OutOfMemoryError, reason=(
-    "C++ allocator bug (csrc/core/host_pool, found by test_public_api_fuzz.py): the reserve is one segment "
-    "that small requests are never carved from, so a pool whose capacity is all reserve cannot serve 64 bytes "
-    "('64 MiB cached but too fragmented to serve it'), and without a cap a small request makes a new segment"))
 def test_a_pool_whose_capacity_is_all_reserve_serves_small_tensors():
+    """Found by test_public_api_fuzz.py: the reserve served medium blocks only, so a pool whose
+    capacity is all reserve could not serve 64 bytes."""
     with hipferry.PinnedPool(capacity="64MiB", reserve="64MiB") as p:
         t = p.empty(16)
+        u = p.empty(1000)
         assert p.stats()["system_allocs"] == 1, "served from the reserve"
-        del t
+        del t, u
         p.check_invariants()
+
+
+@pytest.mark.parametrize("threads", [0, 65, 500, True, 2.0])
+def test_register_threads_out_of_range_is_a_clear_error(threads):
+    # 500 aborted the process once (threads that could not be created).
+    with pytest.raises(ValueError, match=r"register_threads must be an int from 1 to 64"):
+        hipferry.PinnedPool(provider="register", register_threads=threads)
+
+
+def test_register_threads_in_the_environment_must_be_an_integer():
+    from hipferry.pool import parse_pool_config
+    with pytest.raises(ValueError, match=r"register_threads must be an integer from 1 to 64, got 'x'"):
+        parse_pool_config("register_threads=x")
 
 
 def test_pin_copies_into_the_pool(pool):
@@ -445,3 +457,38 @@ def test_gpu_register_provider_maps_memory_for_kernels():
         hipferry.copy_cast_(out, host)  # reads through the mapped device address
         torch.cuda.synchronize()
         assert torch.equal(out.cpu(), host.to(torch.bfloat16))
+
+
+# --- errors found from outside (issue 16): each names the argument and what was expected
+@pytest.mark.parametrize("kw", [dict(capacity=2**64), dict(max_cached=2**64), dict(capacity=None, reserve=2**64)])
+def test_pool_sizes_beyond_64_bits_are_a_clear_error(kw):
+    name = next(k for k, v in kw.items() if v is not None)
+    with pytest.raises(ValueError, match=rf"{name} must be at most 2\*\*64 - 1 bytes"):
+        hipferry.PinnedPool(**kw)
+
+
+def test_reserve_over_capacity_names_the_rounded_reserve():
+    with pytest.raises(ValueError, match=r"reserve \(100 bytes, 65536 once rounded up to the pool's 64 KiB "
+                                         r"segment granule\) must not exceed capacity \(256 bytes\)"):
+        hipferry.PinnedPool(capacity=256, reserve=100)
+
+
+def test_empty_of_a_dimension_beyond_int64_is_a_clear_error(pool):
+    with pytest.raises(ValueError, match=r"size must be at most 2\*\*63 - 1 in every dimension, got 9223372036854775808 "
+                                         r"at index 0"):
+        pool.empty(2**63)
+    with pytest.raises(RuntimeError, match="more than 2\\^50 elements"):
+        pool.empty(2**62, 4)
+
+
+def test_zero_element_tensors_may_have_huge_other_dimensions(pool):
+    before = pool.stats()["allocated_bytes"]
+    t = pool.empty(2**31, 2**31, 0)
+    assert t.shape == (2**31, 2**31, 0) and t.numel() == 0
+    assert pool.stats()["allocated_bytes"] == before
+
+
+def test_record_use_rejects_a_stream_that_is_not_one_on_every_machine(pool):
+    t = pool.empty(8)
+    with pytest.raises(TypeError, match=r"stream must be a torch.cuda.Stream or None, got str"):
+        pool.record_use(t, stream="s")

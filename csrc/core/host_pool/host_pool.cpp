@@ -562,7 +562,9 @@ void HostPool::throw_capacity(std::size_t bytes, std::size_t segment_bytes) cons
       format_bytes(stats_.allocated_bytes) + " in blocks), " + format_bytes(free_bytes_) +
       " cached but too fragmented to serve it, " + format_bytes(pending_bytes_) +
       " being allocated by other threads; a new segment of " + format_bytes(segment_bytes) +
-      " would exceed the capacity. Free tensors from this pool or create it with a larger capacity");
+      " would exceed the capacity. " +
+      (options_.capacity_origin.empty() ? std::string("Free tensors from this pool or create it with a larger capacity")
+                                        : "The capacity is " + options_.capacity_origin));
 }
 
 void HostPool::check_invariants() const {

@@ -74,6 +74,9 @@ class PoolCapacityError : public PoolError {
 
 struct PoolOptions {
   std::size_t capacity = SIZE_MAX;          // hard cap on reserved bytes
+  // Where the cap came from and how to raise it, for the capacity error
+  // ("the default budget: 50% of ..."); empty: the caller's own capacity.
+  std::string capacity_origin;
   std::size_t max_cached_bytes = SIZE_MAX;  // fully free segments beyond this go back at once
   std::size_t reserve_bytes = 0;            // pre-allocated at construction, kept by trim()
   std::size_t small_max = std::size_t{1} << 20;              // small requests: <= this
