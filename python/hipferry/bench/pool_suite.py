@@ -11,10 +11,15 @@
   like offloaded fine-tuning of a transformer (bf16 weights, fp32 master and
   Adam moments, odd-sized norms and biases, layers freed and re-allocated);
   torch's pinned allocator on the same sequence when a GPU is present.
+- churn: reserved / peak requested after a first fill shaped like bf16
+  fine-tuning and after each of three churn rounds (a random half freed and
+  reallocated at sizes scaled by U(0.5, 1.5)), with torch's pinned-allocator
+  rule on the same sequence as a computed reference.
 - cold: seconds to the first allocation of 1 GiB from a fresh pool, and to
   having written every byte of it (page faults included), for each provider
   (and torch pinned on a GPU).
 """
+import math
 import statistics
 import time
 
@@ -148,12 +153,17 @@ def _overhead(ctx, rows, notes, gpu):
         host_empty_cache()
 
 
-def _power_of_two_model(ops):
+def _power_of_two_model(ops, marks=False):
     """Peak reserved/requested of torch's CachingHostAllocator rule on `ops`:
     every request rounded up to a power of two, a freed block reused only for
-    the same rounded size, nothing split or released. Computed, not measured."""
+    the same rounded size, nothing split or released. Computed, not measured.
+    With `marks`: {mark: reserved / peak requested so far} at each "mark" op."""
     cached, live, reserved, requested, peak_req, peak_res = {}, {}, 0, 0, 0, 0
+    at = {}
     for op, key, n in ops:
+        if op == "mark":
+            at[key] = reserved / peak_req
+            continue
         if op == "alloc":
             size = 1 << max(0, (n - 1).bit_length())
             if cached.get(size):
@@ -167,7 +177,71 @@ def _power_of_two_model(ops):
             cached[size] = cached.get(size, 0) + 1
             requested -= n
         peak_req, peak_res = max(peak_req, requested), max(peak_res, reserved)
-    return peak_res / peak_req
+    return at if marks else peak_res / peak_req
+
+
+def _churn_ops(seed, hidden, mlp, layers, small, rounds):
+    """(op, key, bytes) of the churn workload (issue 16): bf16 weights of `layers`
+    layers (attention hidden x hidden, MLP hidden x mlp), activations of an odd
+    batch, `small` small odd sizes; then `rounds` times a random half freed and
+    allocated again at its size scaled by U(0.5, 1.5). ("mark", round, 0) ends
+    the first fill and each round."""
+    import random
+    rng = random.Random(seed)
+    tokens = 3 * 517
+    sizes = []
+    for _ in range(layers):
+        sizes += [hidden * hidden * 2] * 4 + [hidden * mlp * 2] * 3 + [tokens * hidden * 2] * 2 + [tokens * mlp * 2]
+    sizes += [int(math.exp(rng.uniform(math.log(64), math.log(MiB)))) + 1 + rng.randrange(255) for _ in range(small)]
+    rng.shuffle(sizes)
+    ops, live, n = [], {}, 0
+    for size in sizes:
+        live[n] = size
+        ops.append(("alloc", n, size))
+        n += 1
+    ops.append(("mark", 0, 0))
+    for r in range(rounds):
+        keys = list(live)
+        rng.shuffle(keys)
+        for k in keys[:len(keys) // 2]:
+            size = live.pop(k)
+            ops.append(("free", k, 0))
+            live[n] = max(1, int(size * rng.uniform(0.5, 1.5)))
+            ops.append(("alloc", n, live[n]))
+            n += 1
+        ops.append(("mark", r + 1, 0))
+    return ops
+
+
+def _churn(ctx, rows, notes):
+    """reserved / peak requested after the first fill and after each churn round; beside it,
+    the figure torch's pinned-allocator rule would give (computed)."""
+    hidden, mlp, layers, small = (512, 1376, 4, 500) if ctx.quick else (2048, 5504, 8, 2000)
+    rounds = 3
+    ops = _churn_ops(0, hidden, mlp, layers, small, rounds)
+    ctx.progress("pool", 1, 1, f"churn: {len(ops)} operations, hidden {hidden}, MLP {mlp}, {layers} layers, "
+                 f"{rounds} rounds")
+    model = _power_of_two_model(ops, marks=True)
+    with PinnedPool() as pool:
+        live, requested, peak = {}, 0, 0
+        for op, key, n in ops:
+            if op == "alloc":
+                live[key] = pool.empty(n, dtype=torch.uint8)
+                requested += n
+                peak = max(peak, requested)
+            elif op == "free":
+                requested -= live.pop(key).numel()
+            else:
+                s = pool.stats()
+                what = "first fill" if key == 0 else f"after churn round {key}"
+                rows.append(_row(f"reserved/peak requested, {what}", peak, "hipferry pool",
+                                 s["reserved_bytes"] / peak, "ratio"))
+                rows.append(_row(f"reserved/peak requested, {what}", peak,
+                                 "torch pinned rule (power of two, no splitting; computed)", model[key], "ratio"))
+        del live
+    notes.append("churn (issue 16): a random half freed and allocated again at sizes scaled by U(0.5, 1.5), "
+                 f"{rounds} rounds; the torch rows apply torch's CachingHostAllocator rule to the same sequence "
+                 "(computed, not measured)")
 
 
 def _torch_reserved(stats, which):
@@ -224,6 +298,7 @@ def pool_suite(ctx: Context) -> SuiteResult:
     _alloc_free(ctx, rows, gpu)
     notes = []
     _overhead(ctx, rows, notes, gpu)
+    _churn(ctx, rows, notes)
     _cold(ctx, rows, gpu)
     for r in rows:
         r["label"] = r["contender"]
