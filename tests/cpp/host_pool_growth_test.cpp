@@ -157,6 +157,37 @@ TEST(HostPoolGrowth, FinetuneChurnStaysBounded) { expect_bounded("finetune", fin
 TEST(HostPoolGrowth, LogUniformChurnStaysBounded) { expect_bounded("log-uniform", log_uniform_workload); }
 TEST(HostPoolGrowth, ServingChurnStaysBounded) { expect_bounded("serving", serving_workload); }
 
+// The same churn without the growth bound (cached segments split, but none
+// given back): the bound is what holds reserved down -- and the test above
+// would catch a pool without it.
+TEST(HostPoolGrowth, WithoutTheBoundChurnGrows) {
+  PoolOptions o;
+  o.growth_limit = 0;
+  double worst = 0;
+  for (std::uint64_t seed = 1; seed <= 5; ++seed) {
+    std::mt19937_64 rng(seed);
+    auto pool = make_pool(o);
+    const GrowthResult r = churn(*pool, finetune_workload(rng), 6, seed);
+    std::printf("finetune, no growth bound, seed %llu: %s\n", static_cast<unsigned long long>(seed),
+                describe(r).c_str());
+    worst = std::max(worst, *std::max_element(r.ratios.begin(), r.ratios.end()));
+  }
+  EXPECT_GT(worst, 1.25);
+}
+
+// A loop that alternates a medium and a small request, each freed at once,
+// must not trade segments with the provider on every turn.
+TEST(HostPoolGrowth, AlternatingRequestsDoNotThrashTheProvider) {
+  auto pool = make_pool();
+  for (int i = 0; i < 100; ++i) {
+    pool->deallocate(pool->allocate(1 * MiB + 17).host);  // a large segment
+    pool->deallocate(pool->allocate(100).host);           // a small one
+    pool->deallocate(pool->allocate(40 * MiB).host);      // a segment of its own
+  }
+  EXPECT_LE(pool->stats().system_allocs, 3u);
+  pool->check_invariants();
+}
+
 // pytorch#192722: once PyTorch's pinned allocator stopped rounding to powers
 // of two, a cached 150 MB block served a 200 MB request.
 TEST(HostPoolGrowth, ACachedBlockNeverServesALargerRequest) {

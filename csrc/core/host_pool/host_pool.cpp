@@ -411,12 +411,14 @@ void HostPool::collect_free_segments(std::size_t keep_cached, bool include_reser
 
 void HostPool::collect_for_growth(std::size_t bytes, std::size_t segment_bytes, SegmentList& out) {
   if (options_.growth_limit <= 0 || fully_free_bytes_ == 0) return;
-  const double bound = options_.growth_limit * static_cast<double>(stats_.requested_bytes + bytes) +
-                       static_cast<double>(options_.growth_slack_bytes);
+  if (fully_free_bytes_ <= options_.growth_keep_bytes) return;
+  const double bound = options_.growth_limit * static_cast<double>(stats_.requested_bytes + bytes);
   const double after = static_cast<double>(stats_.reserved_bytes + pending_bytes_ + segment_bytes);
   if (after <= bound) return;
-  // Give back just enough (whole segments, the largest first: fewest provider calls).
+  // Give back just enough (whole segments, the largest first: fewest provider
+  // calls), down to growth_keep_bytes of cached free segments.
   std::size_t excess = static_cast<std::size_t>(after - bound);
+  std::size_t cached = fully_free_bytes_;
   std::vector<Segment*> candidates;
   for (const auto& s : segments_) {
     if (s->kind != SegmentKind::kReserve && s->first->state == BlockState::kFree && s->first->size == s->size)
@@ -425,9 +427,10 @@ void HostPool::collect_for_growth(std::size_t bytes, std::size_t segment_bytes, 
   std::sort(candidates.begin(), candidates.end(), [](const Segment* a, const Segment* b) { return a->size > b->size; });
   std::vector<Segment*> chosen;
   for (Segment* c : candidates) {
-    if (excess == 0) break;
+    if (excess == 0 || cached <= options_.growth_keep_bytes) break;
     chosen.push_back(c);
     excess = c->size >= excess ? 0 : excess - c->size;
+    cached -= c->size;
   }
   for (Segment* c : chosen) {
     auto it = std::find_if(segments_.begin(), segments_.end(), [c](const auto& p) { return p.get() == c; });

@@ -18,8 +18,8 @@
 //   - lookup is best fit: the smallest free block (then the lowest address)
 //     that is large enough, O(log n) in one std::set per kind of segment.
 //   - bounded growth: before a new segment would take reserved bytes past
-//     growth_limit x requested + growth_slack_bytes, cached fully free
-//     segments (which cannot serve the request) go back to the provider.
+//     growth_limit x requested, cached fully free segments (which cannot
+//     serve the request) go back to the provider, down to growth_keep_bytes.
 //     Under churn (sizes that change, round after round) reserved then stays
 //     within about 1.1x of requested (tests/cpp/host_pool_growth_test.cpp).
 // Stream-ordered reuse: record_use() notes each stream that used a live
@@ -84,13 +84,14 @@ struct PoolOptions {
   std::size_t large_segment_bytes = std::size_t{32} << 20;   // segment size for medium blocks
   std::size_t own_segment_threshold = std::size_t{16} << 20; // above: a segment of its own
   // Growth bound: before the pool takes a new segment that would make it
-  // reserve more than growth_limit x (bytes requested, this request included)
-  // + growth_slack_bytes, it gives cached fully free segments back to the
-  // provider (they cannot serve the request, or it would not need a new one).
-  // The slack keeps a small pool from trading segments back and forth.
+  // reserve more than growth_limit x (bytes requested, this request included),
+  // it gives cached fully free segments back to the provider (they cannot
+  // serve the request, or it would not need a new one) -- but keeps up to
+  // growth_keep_bytes of them, so that a loop alternating two kinds of
+  // request does not trade segments with the provider on every turn.
   // growth_limit 0: no bound.
   double growth_limit = 1.15;
-  std::size_t growth_slack_bytes = std::size_t{32} << 20;
+  std::size_t growth_keep_bytes = std::size_t{32} << 20;
 };
 
 struct PoolStats {
