@@ -33,6 +33,7 @@ py::dict pool_stats(std::int64_t id) {
   d["cache_hits"] = s.cache_hits;
   d["cache_misses"] = s.cache_misses;
   d["reclaims"] = s.reclaims;
+  d["growth_releases"] = s.growth_releases;
   d["system_allocs"] = s.system_allocs;
   d["system_frees"] = s.system_frees;
   d["system_alloc_seconds"] = static_cast<double>(s.system_alloc_ns) * 1e-9;

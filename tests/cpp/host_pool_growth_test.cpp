@@ -95,7 +95,9 @@ struct GrowthResult {
 
 // Fills the pool with `sizes`, then `rounds` times frees a random half and
 // allocates each freed tensor again at its size scaled by U(0.5, 1.5).
-GrowthResult churn(HostPool& pool, std::vector<std::size_t> sizes, int rounds, std::uint64_t seed) {
+// `interleaved`: each freed tensor is allocated again at once (else the whole half is freed first).
+GrowthResult churn(HostPool& pool, std::vector<std::size_t> sizes, int rounds, std::uint64_t seed,
+                   bool interleaved = false) {
   std::mt19937_64 rng(seed);
   std::shuffle(sizes.begin(), sizes.end(), rng);
   std::vector<Live> live;
@@ -115,16 +117,24 @@ GrowthResult churn(HostPool& pool, std::vector<std::size_t> sizes, int rounds, s
     std::shuffle(live.begin(), live.end(), rng);
     const std::size_t half = live.size() / 2;
     std::vector<std::size_t> again;
-    for (std::size_t i = 0; i < half; ++i) {
-      pool.deallocate(live[i].host);
-      again.push_back(std::max<std::size_t>(1, static_cast<std::size_t>(double(live[i].requested) * scale(rng))));
-    }
-    live.erase(live.begin(), live.begin() + static_cast<std::ptrdiff_t>(half));
-    for (std::size_t s : again) {
+    std::vector<Live> added;
+    const auto allocate = [&](std::size_t s) {
       const auto a = pool.allocate(s);
       EXPECT_GE(a.size, s);
-      live.push_back({a.host, s});
+      added.push_back({a.host, s});
+    };
+    for (std::size_t i = 0; i < half; ++i) {
+      pool.deallocate(live[i].host);
+      const std::size_t s = std::max<std::size_t>(1, static_cast<std::size_t>(double(live[i].requested) * scale(rng)));
+      if (interleaved) {
+        allocate(s);
+      } else {
+        again.push_back(s);
+      }
     }
+    live.erase(live.begin(), live.begin() + static_cast<std::ptrdiff_t>(half));
+    for (std::size_t s : again) allocate(s);
+    live.insert(live.end(), added.begin(), added.end());
     pool.check_invariants();
     r.ratios.push_back(ratio());
   }
@@ -143,13 +153,16 @@ std::string describe(const GrowthResult& r) {
 using Workload = std::vector<std::size_t> (*)(std::mt19937_64&);
 
 void expect_bounded(const char* name, Workload workload) {
-  for (std::uint64_t seed = 1; seed <= 5; ++seed) {
-    std::mt19937_64 rng(seed);
-    auto pool = make_pool();
-    const GrowthResult r = churn(*pool, workload(rng), 6, seed);
-    std::printf("%s seed %llu: %s\n", name, static_cast<unsigned long long>(seed), describe(r).c_str());
-    EXPECT_LE(r.ratios.front(), 1.15) << name << " seed " << seed << ", first fill: " << describe(r);
-    for (double x : r.ratios) EXPECT_LE(x, 1.25) << name << " seed " << seed << ": " << describe(r);
+  for (bool interleaved : {false, true}) {
+    for (std::uint64_t seed = 1; seed <= 5; ++seed) {
+      std::mt19937_64 rng(seed);
+      auto pool = make_pool();
+      const GrowthResult r = churn(*pool, workload(rng), 6, seed, interleaved);
+      std::printf("%s%s seed %llu: %s\n", name, interleaved ? " (interleaved)" : "",
+                  static_cast<unsigned long long>(seed), describe(r).c_str());
+      EXPECT_LE(r.ratios.front(), 1.15) << name << " seed " << seed << ", first fill: " << describe(r);
+      for (double x : r.ratios) EXPECT_LE(x, 1.25) << name << " seed " << seed << ": " << describe(r);
+    }
   }
 }
 

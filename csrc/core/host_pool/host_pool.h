@@ -21,7 +21,7 @@
 //     growth_limit x requested, cached fully free segments (which cannot
 //     serve the request) go back to the provider, down to growth_keep_bytes.
 //     Under churn (sizes that change, round after round) reserved then stays
-//     within about 1.1x of requested (tests/cpp/host_pool_growth_test.cpp).
+//     within 1.25x of peak requested (tests/cpp/host_pool_growth_test.cpp).
 // Stream-ordered reuse: record_use() notes each stream that used a live
 // block; deallocate() of such a block records one event per stream and parks
 // the block as "waiting"; it becomes free only once all its events completed.
@@ -90,7 +90,7 @@ struct PoolOptions {
   // growth_keep_bytes of them, so that a loop alternating two kinds of
   // request does not trade segments with the provider on every turn.
   // growth_limit 0: no bound.
-  double growth_limit = 1.15;
+  double growth_limit = 1.1;
   std::size_t growth_keep_bytes = std::size_t{32} << 20;
 };
 
