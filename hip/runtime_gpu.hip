@@ -1,4 +1,5 @@
 // runtime.h for HIP (AMD) and CUDA (NVIDIA), one source through platform.h.
+#include <cstdio>
 #include <string>
 
 #include "hip/check.h"
@@ -47,6 +48,10 @@ DeviceInfo device_info(int device) {
   info.total_memory = p.totalGlobalMem;
   info.multiprocessors = p.multiProcessorCount;
   info.can_map_host_memory = p.canMapHostMemory != 0;
+  char pci[32];
+  std::snprintf(pci, sizeof pci, "%04x:%02x:%02x.0", static_cast<unsigned>(p.pciDomainID),
+                static_cast<unsigned>(p.pciBusID), static_cast<unsigned>(p.pciDeviceID));
+  info.pci_bus_id = pci;
   DeviceGuard scope(device);
   std::size_t free_bytes = 0, total_bytes = 0;
   HIPFERRY_CHECK_ON(device, hipMemGetInfo(&free_bytes, &total_bytes));
