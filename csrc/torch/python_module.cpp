@@ -9,6 +9,7 @@
 #include "csrc/core/copy_cast_cpu.h"
 #include "csrc/core/cpu/cpu_isa.h"
 #include "hip/pinned_memory.h"
+#include "csrc/core/host_pool/numa_topology.h"
 #include "hip/runtime.h"
 
 namespace py = pybind11;
@@ -41,6 +42,8 @@ py::dict device_info(int device) {
   d["free_memory"] = i.free_memory;
   d["multiprocessors"] = i.multiprocessors;
   d["can_map_host_memory"] = i.can_map_host_memory;
+  d["pci_bus_id"] = i.pci_bus_id;
+  d["numa_node"] = pool::NumaTopology::node_of_pci_device(i.pci_bus_id);  // -1: unknown
   return d;
 }
 
@@ -102,6 +105,7 @@ PYBIND11_MODULE(_C, m) {
         "The build of the CPU loops in use: 'avx2' or 'baseline' (HIPFERRY_CPU_ISA; ValueError if invalid).");
   m.def("device_count", &rt::device_count, "GPU devices visible to the runtime (0 without).");
   m.def("device_info", &device_info, py::arg("device"));
+  m.def("numa_nodes", [] { return pool::NumaTopology::read().nodes; }, "The host's online NUMA nodes.");
   m.def("check_host_memory", &check_host_memory, py::arg("device"), py::arg("bytes"),
         py::arg("flags"), py::arg("use_register") = false);
   bind_pinned_pool(m);

@@ -211,6 +211,12 @@ def run(quick: bool = False) -> int:
     w(f"  cpu             {py_platform.processor() or py_platform.machine()}, {torch.get_num_threads()} threads, "
       f"F16C path: {'yes' if build['cpu_f16c'] else 'no'}\n")
 
+    from . import _C as _native
+    nodes = _native.numa_nodes()
+    w(f"  numa            {len(nodes)} node(s): {', '.join(map(str, nodes))}"
+      f"{'' if len(nodes) > 1 else ' (no placement to choose)'}; pool memory is not bound to a node yet "
+      "(pages land where first touched)\n")
+
     problems = diagnose(build["target"], flavor, runtime_devices, torch_devices)
     for n in notes(build["target"], flavor, runtime_devices):
         w(f"  note            {n}\n")
@@ -219,7 +225,9 @@ def run(quick: bool = False) -> int:
         for i in range(runtime_devices):
             info = hf_platform.device_info(i)
             w(f"  device {i}        {info['name']} ({info['arch']}), {info['total_memory'] / 2**30:.1f} GiB, "
-              f"{info['multiprocessors']} multiprocessors, maps host memory: {info['can_map_host_memory']}\n")
+              f"{info['multiprocessors']} multiprocessors, maps host memory: {info['can_map_host_memory']}, "
+              f"PCI {info['pci_bus_id']}, NUMA node "
+              f"{info['numa_node'] if info['numa_node'] >= 0 else 'unknown'}\n")
         if runtime_devices > 0:
             from . import _C
             for label, flags, reg in (("pinned (hipHostMalloc, mapped)", 0x2 | 0x1, False),

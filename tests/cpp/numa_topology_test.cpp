@@ -5,9 +5,11 @@
 #include <filesystem>
 #include <fstream>
 #include <stdexcept>
+#include <system_error>
 #include <string>
 #include <unistd.h>
 
+#include "csrc/core/host_pool/numa_binding.h"
 #include "csrc/core/host_pool/numa_topology.h"
 
 namespace hipferry::pool {
@@ -69,6 +71,28 @@ TEST_F(FakeSysfs, UnknownOrUnreadableIsMinusOneOrOneNode) {
 TEST(NumaTopologyHere, ThisMachineReadsWithoutError) {
   const NumaTopology t = NumaTopology::read();
   EXPECT_FALSE(t.nodes.empty());
+}
+
+// Binding works here on the one node this machine has, and a node that does
+// not exist is refused with the kernel's reason.
+TEST(NumaBinding, PagesLandOnTheBoundNodeAndABadNodeIsRefused) {
+  const std::size_t bytes = std::size_t{4} << 20;
+  void* p = std::aligned_alloc(4096, bytes);
+  ASSERT_NE(p, nullptr);
+  const NumaTopology t = NumaTopology::read();
+  try {
+    bind_to_node(p, bytes, t.nodes.front());
+  } catch (const std::system_error& e) {
+    std::free(p);
+    GTEST_SKIP() << "mbind not permitted here: " << e.what();  // (seccomp in some containers)
+  }
+  static_cast<char*>(p)[0] = 1;  // first touch: placed now
+  static_cast<char*>(p)[bytes - 1] = 1;
+  const int node = node_of_address(p);
+  if (node >= 0) EXPECT_EQ(node, t.nodes.front());
+  EXPECT_THROW(bind_to_node(p, bytes, t.nodes.back() + 7), std::system_error);
+  EXPECT_THROW(bind_to_node(p, bytes, -1), std::system_error);
+  std::free(p);
 }
 
 }  // namespace

@@ -20,6 +20,10 @@ def test_doctor_runs_and_reports_ok_here():
     assert "optimizer       OffloadAdamW steps bit-identical to the CPU reference" in r.stdout
     assert "module offload  offload_layers + offload_activations outputs and gradients bit-identical" in r.stdout
     assert r.stdout.rstrip().endswith("status: OK")
+    nodes = hipferry._C.numa_nodes()
+    assert f"numa            {len(nodes)} node(s): {', '.join(map(str, nodes))}" in r.stdout
+    for i in range(hipferry._C.device_count()):  # each device names its PCI address and node
+        assert f"device {i}" in r.stdout and "NUMA node" in r.stdout
 
 
 @pytest.mark.parametrize("build,flavor", [("rocm", "cuda"), ("cuda", "rocm"), ("cuda", "cpu"), ("rocm", "cpu")])
