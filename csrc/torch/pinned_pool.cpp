@@ -47,7 +47,7 @@ const PoolBlock* pool_block_of(const at::Tensor& t) {
 }  // namespace
 
 std::int64_t create_pinned_pool(const PinnedPoolConfig& config) {
-  auto provider = make_host_memory_provider(config.provider, config.flags, config.register_threads);
+  auto provider = make_host_memory_provider(config.provider, config.flags, config.register_threads, config.numa_node);
   auto pool = std::make_shared<pool::HostPool>(std::move(provider), make_use_event_source(), config.options);
   // Results of transfers that completed but were not yet polled hold blocks:
   // an allocation over the capacity lets go of them before it fails.

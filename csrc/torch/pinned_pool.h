@@ -17,6 +17,7 @@ struct PinnedPoolConfig {
   std::string provider = "auto";  // see make_host_memory_provider
   unsigned flags = 0;             // rt::HostAllocFlags
   int register_threads = 8;
+  int numa_node = -1;             // >= 0: the pool's pages come from this node
   pool::PoolOptions options;
 };
 

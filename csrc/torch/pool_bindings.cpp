@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "csrc/core/host_pool/numa_binding.h"
 #include "csrc/torch/pinned_pool.h"
 
 namespace py = pybind11;
@@ -42,7 +43,8 @@ py::dict pool_stats(std::int64_t id) {
 }
 
 std::int64_t create(const std::string& provider, unsigned flags, int register_threads, std::size_t capacity,
-                    std::size_t max_cached_bytes, std::size_t reserve_bytes, const std::string& capacity_origin) {
+                    std::size_t max_cached_bytes, std::size_t reserve_bytes, const std::string& capacity_origin,
+                    int numa_node) {
   PinnedPoolConfig config;
   config.provider = provider;
   config.flags = flags;
@@ -51,6 +53,7 @@ std::int64_t create(const std::string& provider, unsigned flags, int register_th
   config.options.max_cached_bytes = max_cached_bytes;
   config.options.reserve_bytes = reserve_bytes;
   config.options.capacity_origin = capacity_origin;
+  config.numa_node = numa_node;
   py::gil_scoped_release no_gil;  // the reserve may take a while to pin
   return create_pinned_pool(config);
 }
@@ -60,7 +63,10 @@ std::int64_t create(const std::string& provider, unsigned flags, int register_th
 void bind_pinned_pool(py::module_& m) {
   py::register_exception<pool::PoolError>(m, "PoolError", PyExc_RuntimeError);
   m.def("create_pinned_pool", &create, py::arg("provider"), py::arg("flags"), py::arg("register_threads"),
-        py::arg("capacity"), py::arg("max_cached_bytes"), py::arg("reserve_bytes"), py::arg("capacity_origin") = "");
+        py::arg("capacity"), py::arg("max_cached_bytes"), py::arg("reserve_bytes"), py::arg("capacity_origin") = "",
+        py::arg("numa_node") = -1);
+  m.def("numa_node_of_address", [](std::uintptr_t p) { return pool::node_of_address(reinterpret_cast<const void*>(p)); },
+        py::arg("address"), "The NUMA node of the touched page at `address` (-1: the kernel cannot say).");
   m.def("destroy_pinned_pool", [](std::int64_t id) {
     py::gil_scoped_release no_gil;
     destroy_pinned_pool(id);

@@ -109,12 +109,16 @@ class PinnedPool:
             flags. ``coherent=None`` leaves the platform default; ``False`` asks
             for non-coherent memory, which AMD GPUs re-read faster (no effect
             on NVIDIA). ``mapped`` memory is readable by GPU kernels directly.
+        numa_node: the NUMA node the pool's pages come from (bound before they
+            are first touched); ``None``: where the first touch puts them.
+            Put a pool for a GPU on that GPU's node (``hipferry doctor`` lists
+            each device's node): pages on the other socket cost bandwidth.
     """
 
     def __init__(self, capacity: Size = None, *, max_cached: Size = None, reserve: Size = 0,
                  provider: str = "auto", portable: bool = True, mapped: bool = True,
                  coherent: Optional[bool] = None, numa_user: bool = False, write_combined: bool = False,
-                 register_threads: int = 8, _capacity_origin: str = ""):
+                 register_threads: int = 8, numa_node: Optional[int] = None, _capacity_origin: str = ""):
         cap = parse_bytes(capacity, "capacity")
         if cap is not None and cap < _MIN_CAPACITY:
             raise ValueError(f"hipferry.PinnedPool: capacity must be at least {_MIN_CAPACITY} bytes (one block), "
@@ -135,6 +139,13 @@ class PinnedPool:
                 not 1 <= register_threads <= MAX_REGISTER_THREADS:
             raise ValueError(f"hipferry.PinnedPool: register_threads must be an int from 1 to "
                              f"{MAX_REGISTER_THREADS}, got {register_threads!r}")
+        if numa_node is not None:
+            if isinstance(numa_node, bool) or not isinstance(numa_node, int):
+                raise TypeError(f"hipferry.PinnedPool: numa_node must be an int or None, got {numa_node!r}")
+            nodes = _C.numa_nodes()
+            if numa_node not in nodes:
+                raise ValueError(f"hipferry.PinnedPool: numa_node {numa_node} is not an online NUMA node; this host has "
+                                 f"node(s) {nodes}")
         for flag, value in (("portable", portable), ("mapped", mapped), ("numa_user", numa_user),
                             ("write_combined", write_combined)):
             if not isinstance(value, bool):  # "no" or [] would silently mean True / False
@@ -146,7 +157,7 @@ class PinnedPool:
         self._id = _C.create_pinned_pool(provider, _flags(portable, mapped, coherent, numa_user, write_combined),
                                          register_threads, _UNLIMITED if cap is None else cap,
                                          _UNLIMITED if cached is None else cached, reserve_bytes,
-                                         _capacity_origin)
+                                         _capacity_origin, -1 if numa_node is None else numa_node)
 
     # --- allocation -----------------------------------------------------------------
     def empty(self, *size: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor:

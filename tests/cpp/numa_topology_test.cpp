@@ -95,5 +95,23 @@ TEST(NumaBinding, PagesLandOnTheBoundNodeAndABadNodeIsRefused) {
   std::free(p);
 }
 
+TEST(NumaBinding, AThreadPolicyPlacesWhatTheThreadTouchesAndIsUndoneAfter) {
+  const NumaTopology t = NumaTopology::read();
+  const std::size_t bytes = std::size_t{2} << 20;
+  void* p = std::aligned_alloc(4096, bytes);
+  ASSERT_NE(p, nullptr);
+  try {
+    ScopedThreadNodePolicy on_node(t.nodes.front());
+    static_cast<char*>(p)[0] = 1;
+    const int node = node_of_address(p);
+    if (node >= 0) EXPECT_EQ(node, t.nodes.front());
+  } catch (const std::system_error& e) {
+    std::free(p);
+    GTEST_SKIP() << "set_mempolicy not permitted here: " << e.what();
+  }
+  EXPECT_THROW(ScopedThreadNodePolicy(-3), std::system_error);
+  std::free(p);
+}
+
 }  // namespace
 }  // namespace hipferry::pool

@@ -56,13 +56,18 @@ class UseEventSource {
 // `mapped` (on the CPU the "device" reads host memory directly).
 class AlignedHostMemoryProvider : public HostMemoryProvider {
  public:
-  explicit AlignedHostMemoryProvider(bool mapped = true) : mapped_(mapped) {}
+  // numa_node >= 0: the pages are bound to that node before anything touches them.
+  explicit AlignedHostMemoryProvider(bool mapped = true, int numa_node = -1) : mapped_(mapped), node_(numa_node) {}
   HostSegment allocate(std::size_t bytes) override;
   void release(const HostSegment& segment, std::size_t bytes) noexcept override;
-  std::string describe() const override { return "aligned host memory (not page-locked)"; }
+  std::string describe() const override {
+    return std::string("aligned host memory (not page-locked)") +
+           (node_ >= 0 ? ", NUMA node " + std::to_string(node_) : "");
+  }
 
  private:
   bool mapped_;
+  int node_;
 };
 
 // Events for a build without asynchronous streams: always complete.

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <thread>
 
+#include "csrc/core/host_pool/numa_binding.h"
 #include "csrc/core/host_pool/size_classes.h"
 
 namespace hipferry::pool {
@@ -37,6 +38,14 @@ class CompletedEvent : public UseEvent {
 HostSegment AlignedHostMemoryProvider::allocate(std::size_t bytes) {
   void* p = std::aligned_alloc(4096, round_up(bytes, 4096));
   if (p == nullptr) throw std::runtime_error("aligned_alloc: out of host memory for " + format_bytes(bytes));
+  if (node_ >= 0) {
+    try {
+      bind_to_node(p, round_up(bytes, 4096), node_);
+    } catch (...) {
+      std::free(p);
+      throw;
+    }
+  }
   return {p, mapped_ ? p : nullptr};
 }
 

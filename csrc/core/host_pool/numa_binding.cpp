@@ -28,6 +28,24 @@ void bind_to_node(void* p, std::size_t bytes, int node) {
   }
 }
 
+ScopedThreadNodePolicy::ScopedThreadNodePolicy(int node) {
+  if (node < 0 || static_cast<unsigned long>(node) >= kMaxNodes) {
+    throw std::system_error(EINVAL, std::generic_category(), "thread NUMA policy: node " + std::to_string(node));
+  }
+  if (syscall(SYS_get_mempolicy, &old_mode_, old_mask_, kMaxNodes, nullptr, 0) != 0) {
+    throw std::system_error(errno, std::generic_category(), "get_mempolicy");
+  }
+  unsigned long mask[kMaxNodes / (8 * sizeof(unsigned long))] = {};
+  mask[node / (8 * sizeof(unsigned long))] = 1UL << (node % (8 * sizeof(unsigned long)));
+  if (syscall(SYS_set_mempolicy, kMpolBind, mask, kMaxNodes + 1) != 0) {
+    throw std::system_error(errno, std::generic_category(), "set_mempolicy to NUMA node " + std::to_string(node));
+  }
+}
+
+ScopedThreadNodePolicy::~ScopedThreadNodePolicy() {
+  syscall(SYS_set_mempolicy, old_mode_, old_mode_ == 0 ? nullptr : old_mask_, kMaxNodes + 1);
+}
+
 int node_of_address(const void* p) {
   int node = -1;
   if (syscall(SYS_get_mempolicy, &node, nullptr, 0, const_cast<void*>(p), kMpolFNode | kMpolFAddr) != 0) return -1;

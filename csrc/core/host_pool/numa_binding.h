@@ -17,4 +17,20 @@ void bind_to_node(void* p, std::size_t bytes, int node);
 // The node holding the (touched) page at `p`; -1 when the kernel cannot say.
 int node_of_address(const void* p);
 
+// For its lifetime, memory the calling thread faults in comes from `node`
+// (set_mempolicy MPOL_BIND); the thread's previous policy comes back after.
+// For allocators that touch pages themselves (hipHostMalloc with its NUMA-user
+// flag follows the caller's policy). Throws std::system_error like bind_to_node.
+class ScopedThreadNodePolicy {
+ public:
+  explicit ScopedThreadNodePolicy(int node);
+  ~ScopedThreadNodePolicy();
+  ScopedThreadNodePolicy(const ScopedThreadNodePolicy&) = delete;
+  ScopedThreadNodePolicy& operator=(const ScopedThreadNodePolicy&) = delete;
+
+ private:
+  int old_mode_ = 0;
+  unsigned long old_mask_[16] = {};  // 1024 nodes
+};
+
 }  // namespace hipferry::pool
