@@ -214,8 +214,8 @@ def run(quick: bool = False) -> int:
     from . import _C as _native
     nodes = _native.numa_nodes()
     w(f"  numa            {len(nodes)} node(s): {', '.join(map(str, nodes))}"
-      f"{'' if len(nodes) > 1 else ' (no placement to choose)'}; pool memory is not bound to a node yet "
-      "(pages land where first touched)\n")
+      f"{'' if len(nodes) > 1 else ' (no placement to choose)'}; the default pool's pages land where first "
+      "touched (PinnedPool(numa_node=N) binds a pool to node N)\n")
 
     problems = diagnose(build["target"], flavor, runtime_devices, torch_devices)
     for n in notes(build["target"], flavor, runtime_devices):
