@@ -74,10 +74,10 @@ std::string describe_host_flags(unsigned flags) {
   return s.empty() ? "default" : s;
 }
 
-pool::HostSegment HostAllocProvider::allocate(std::size_t bytes) {
+pool::HostSegment HostAllocProvider::allocate(std::size_t bytes, int numa_node) {
   void* p = nullptr;
-  if (node_ >= 0) {
-    pool::ScopedThreadNodePolicy on_node(node_);
+  if (numa_node >= 0) {
+    pool::ScopedThreadNodePolicy on_node(numa_node);
     p = rt::host_alloc(bytes, flags_ | rt::kHostNumaUser);
   } else {
     p = rt::host_alloc(bytes, flags_);
@@ -95,15 +95,15 @@ void HostAllocProvider::release(const pool::HostSegment& segment, std::size_t) n
 }
 
 std::string HostAllocProvider::describe() const {
-  return "hipHostMalloc(" + describe_host_flags(flags_) + ")" + (node_ >= 0 ? ", NUMA node " + std::to_string(node_) : "");
+  return "hipHostMalloc(" + describe_host_flags(flags_) + ")";
 }
 
-pool::HostSegment HostRegisterProvider::allocate(std::size_t bytes) {
+pool::HostSegment HostRegisterProvider::allocate(std::size_t bytes, int numa_node) {
   const std::size_t size = pool::round_up(bytes, kHugePage);
   char* p = static_cast<char*>(std::aligned_alloc(kHugePage, size));
   if (p == nullptr) throw std::runtime_error("aligned_alloc: out of host memory for " + std::to_string(size) + " bytes");
   try {
-    if (node_ >= 0) pool::bind_to_node(p, size, node_);  // before the first touch places the pages
+    if (numa_node >= 0) pool::bind_to_node(p, size, numa_node);  // before the first touch places the pages
     touch_pages(p, size, threads_);
     rt::host_register(p, size, flags_);
   } catch (...) {
@@ -124,8 +124,7 @@ void HostRegisterProvider::release(const pool::HostSegment& segment, std::size_t
 }
 
 std::string HostRegisterProvider::describe() const {
-  return "hipHostRegister(" + describe_host_flags(flags_) + ", " + std::to_string(threads_) + " threads)" +
-         (node_ >= 0 ? ", NUMA node " + std::to_string(node_) : "");
+  return "hipHostRegister(" + describe_host_flags(flags_) + ", " + std::to_string(threads_) + " threads)";
 }
 
 std::unique_ptr<rt::Event> RuntimeEventSource::take(int device) {
@@ -155,14 +154,14 @@ std::unique_ptr<pool::UseEvent> RuntimeEventSource::record(const pool::StreamUse
 }
 
 std::unique_ptr<pool::HostMemoryProvider> make_host_memory_provider(const std::string& kind, unsigned flags,
-                                                                    int register_threads, int numa_node) {
+                                                                    int register_threads) {
   // Ordinary memory is readable by the "device" only when that is the CPU.
-  if (kind == "pageable") return std::make_unique<pool::AlignedHostMemoryProvider>(rt::device_count() == 0, numa_node);
-  if (kind == "host_alloc") return std::make_unique<HostAllocProvider>(flags, numa_node);
-  if (kind == "register") return std::make_unique<HostRegisterProvider>(flags, register_threads, numa_node);
+  if (kind == "pageable") return std::make_unique<pool::AlignedHostMemoryProvider>(rt::device_count() == 0);
+  if (kind == "host_alloc") return std::make_unique<HostAllocProvider>(flags);
+  if (kind == "register") return std::make_unique<HostRegisterProvider>(flags, register_threads);
   if (kind == "auto") {
-    if (rt::device_count() == 0) return std::make_unique<pool::AlignedHostMemoryProvider>(true, numa_node);
-    return std::make_unique<HostAllocProvider>(flags, numa_node);
+    if (rt::device_count() == 0) return std::make_unique<pool::AlignedHostMemoryProvider>(true);
+    return std::make_unique<HostAllocProvider>(flags);
   }
   throw std::invalid_argument("hipferry pinned pool: provider must be 'auto', 'host_alloc', 'register' or "
                               "'pageable', got '" + kind + "'");

@@ -16,16 +16,15 @@ namespace hipferry {
 // hipHostMalloc(flags); the device address is asked of the runtime when mapped.
 class HostAllocProvider : public pool::HostMemoryProvider {
  public:
+  explicit HostAllocProvider(unsigned flags) : flags_(flags) {}
   // numa_node >= 0: pages from that node (the runtime's NUMA-user flag, under
   // a thread policy for the node).
-  explicit HostAllocProvider(unsigned flags, int numa_node = -1) : flags_(flags), node_(numa_node) {}
-  pool::HostSegment allocate(std::size_t bytes) override;
+  pool::HostSegment allocate(std::size_t bytes, int numa_node) override;
   void release(const pool::HostSegment& segment, std::size_t bytes) noexcept override;
   std::string describe() const override;
 
  private:
   unsigned flags_;  // rt::HostAllocFlags
-  int node_;        // -1: wherever the runtime puts them
 };
 
 // Ordinary memory, its pages first touched by `threads` threads in parallel
@@ -33,17 +32,15 @@ class HostAllocProvider : public pool::HostMemoryProvider {
 // pinned_num_register_threads does the same), then hipHostRegister(flags).
 class HostRegisterProvider : public pool::HostMemoryProvider {
  public:
+  HostRegisterProvider(unsigned flags, int threads) : flags_(flags), threads_(threads) {}
   // numa_node >= 0: pages bound to that node before they are touched.
-  HostRegisterProvider(unsigned flags, int threads, int numa_node = -1)
-      : flags_(flags), threads_(threads), node_(numa_node) {}
-  pool::HostSegment allocate(std::size_t bytes) override;
+  pool::HostSegment allocate(std::size_t bytes, int numa_node) override;
   void release(const pool::HostSegment& segment, std::size_t bytes) noexcept override;
   std::string describe() const override;
 
  private:
   unsigned flags_;  // kHostPortable | kHostMapped subset
   int threads_;
-  int node_;        // -1: first touch decides
 };
 
 // Events recorded on the streams that used a block. Created events are kept
@@ -63,7 +60,7 @@ class RuntimeEventSource : public pool::UseEventSource {
 // "host_alloc", "register" or "pageable". Throws std::invalid_argument naming
 // the choices for anything else.
 std::unique_ptr<pool::HostMemoryProvider> make_host_memory_provider(const std::string& kind, unsigned flags,
-                                                                    int register_threads, int numa_node = -1);
+                                                                    int register_threads);
 // Uses on a transfer worker (device -1) get worker events; stream uses get
 // runtime events when a device is present, else events that are always complete.
 std::unique_ptr<pool::UseEventSource> make_use_event_source();

@@ -59,7 +59,7 @@ py::dict check_host_memory(int device, std::size_t bytes, unsigned flags, bool u
     for (std::size_t i = 0; i < bytes; ++i) pattern[i] = static_cast<unsigned char>(i * 131 + 7);
     // The pinned pool's own providers: the doctor checks what the pool uses.
     auto provider = make_host_memory_provider(use_register ? "register" : "host_alloc", flags, 1);
-    const pool::HostSegment host = provider->allocate(bytes);
+    const pool::HostSegment host = provider->allocate(bytes, pool::kNoNumaNode);
     void* dev = nullptr;
     try {
       std::memcpy(host.host, pattern.data(), bytes);

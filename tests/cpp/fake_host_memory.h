@@ -43,6 +43,7 @@ class FakeMemory : public std::enable_shared_from_this<FakeMemory> {
     std::uintptr_t host = 0;
     std::size_t bytes = 0;
     std::uintptr_t device = 0;  // 0 when unmapped
+    int numa_node = kNoNumaNode;  // the node the pool asked for (a fake topology: nothing is bound)
   };
 
   static std::shared_ptr<FakeMemory> make(bool mapped = true) {
@@ -83,6 +84,14 @@ class FakeMemory : public std::enable_shared_from_this<FakeMemory> {
   std::size_t live_bytes() const { return locked([&] { return live_bytes_; }); }
   std::vector<std::string> violations() const { return locked([&] { return violations_; }); }
 
+  // Host addresses of the live segments, ascending.
+  std::vector<std::uintptr_t> segment_hosts() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<std::uintptr_t> out;
+    for (const auto& [host, s] : live_) out.push_back(host);
+    return out;
+  }
+
   // The live segment that contains `p`, if any.
   std::optional<Segment> segment_of(const void* p) const {
     std::lock_guard<std::mutex> lock(mu_);
@@ -110,7 +119,7 @@ class FakeMemory : public std::enable_shared_from_this<FakeMemory> {
   explicit FakeMemory(bool mapped) : mapped_(mapped) {}
 
 
-  HostSegment allocate(std::size_t bytes) {
+  HostSegment allocate(std::size_t bytes, int numa_node) {
     if (auto hook = locked([&] { return allocate_hook_; })) hook(bytes);
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -132,7 +141,7 @@ class FakeMemory : public std::enable_shared_from_this<FakeMemory> {
     void* p = std::aligned_alloc(4096, round_up(bytes, 4096));
     if (p == nullptr) throw std::runtime_error("FakeMemory: aligned_alloc failed");
     std::lock_guard<std::mutex> lock(mu_);
-    Segment s{reinterpret_cast<std::uintptr_t>(p), bytes, 0};
+    Segment s{reinterpret_cast<std::uintptr_t>(p), bytes, 0, numa_node};
     // 2^46 + n * 2^36: never the host address, different for every segment.
     if (mapped_) s.device = (std::uintptr_t{1} << 46) + (allocs_ + 1) * (std::uintptr_t{1} << 36);
     ++allocs_;
@@ -184,7 +193,7 @@ class FakeMemory : public std::enable_shared_from_this<FakeMemory> {
 class FakeProvider : public HostMemoryProvider {
  public:
   explicit FakeProvider(std::shared_ptr<FakeMemory> m) : m_(std::move(m)) {}
-  HostSegment allocate(std::size_t bytes) override { return m_->allocate(bytes); }
+  HostSegment allocate(std::size_t bytes, int numa_node) override { return m_->allocate(bytes, numa_node); }
   void release(const HostSegment& segment, std::size_t bytes) noexcept override { m_->release(segment, bytes); }
   std::string describe() const override { return "fake host memory"; }
 

@@ -29,7 +29,7 @@ constexpr std::size_t MiB = std::size_t{1} << 20;
 // boundary (blocks of two segments can never look adjacent).
 class AddressOnlyProvider : public HostMemoryProvider {
  public:
-  HostSegment allocate(std::size_t bytes) override {
+  HostSegment allocate(std::size_t bytes, int) override {
     if (bytes > (std::size_t{1} << 40)) throw std::runtime_error("AddressOnlyProvider: too large");
     next_ += std::size_t{1} << 40;
     return {reinterpret_cast<void*>(next_), nullptr};

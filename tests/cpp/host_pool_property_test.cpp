@@ -35,6 +35,7 @@ struct Variant {
   const char* name;
   std::size_t max_cached_bytes;
   std::size_t reserve_bytes;
+  bool numa = false;  // requests name devices 0 and 1 (nodes 0, 1) or none (node 2)
 };
 
 // Small segments and a 64 MiB cap, so requests of 1 B..64 MiB hit every kind
@@ -48,6 +49,10 @@ PoolOptions options_for(const Variant& v) {
   o.capacity = 64 * MiB;
   o.max_cached_bytes = v.max_cached_bytes;
   o.reserve_bytes = v.reserve_bytes;
+  if (v.numa) {
+    o.numa_node = 2;
+    o.device_nodes = {0, 1};
+  }
   return o;
 }
 
@@ -88,6 +93,8 @@ void run_sequence(std::uint64_t seed, const Variant& variant, int ops) {
   auto streams = FakeStreams::make();
   auto pool = std::make_unique<HostPool>(mem->provider(), streams->source(), o);
   std::mt19937_64 rng(seed);
+  // The reserve, the one segment made at construction, serves every node.
+  const std::uintptr_t reserve_host = reserve == 0 ? 0 : mem->segment_hosts().at(0);
 
   struct Live {
     std::size_t size, bytes;  // block, request
@@ -141,6 +148,7 @@ void run_sequence(std::uint64_t seed, const Variant& variant, int ops) {
     if (r < 40 && live.size() < 64) {
       what = "allocate";
       const std::size_t bytes = draw_size(rng, o);
+      const int device = variant.numa ? static_cast<int>(rng() % 4) - 1 : -1;  // 2: beyond device_nodes
       HostPool::Allocation a;
       // A pool that polls parked blocks in a loop instead of waiting for them
       // would hang here; the fake streams then finish all work and the
@@ -148,7 +156,7 @@ void run_sequence(std::uint64_t seed, const Variant& variant, int ops) {
       const std::uint64_t queries_before = streams->queries();
       streams->complete_all_after_queries(100000);
       try {
-        a = pool->allocate(bytes);
+        a = pool->allocate(bytes, device);
       } catch (const PoolCapacityError&) {
         ++capacity_errors;
         // Only after everything was tried: parked blocks waited for, cached
@@ -170,6 +178,11 @@ void run_sequence(std::uint64_t seed, const Variant& variant, int ops) {
         const auto seg = mem->segment_of(a.host);
         ASSERT_TRUE(seg && e <= seg->host + seg->bytes) << at() << ": block outside its segment";
         ASSERT_EQ(reinterpret_cast<std::uintptr_t>(a.device), seg->device + (b - seg->host)) << at();
+        const int want_node = device == 0 || device == 1 ? device : o.numa_node;
+        ASSERT_TRUE(seg->numa_node == want_node || seg->host == reserve_host)
+            << at() << ": a block for device " << device << " from node " << seg->numa_node << ", expected "
+            << want_node;
+        ASSERT_EQ(pool->node_of_block(a.host), seg->numa_node) << at();
         auto next = live.lower_bound(b);
         ASSERT_TRUE(next == live.end() || next->first >= e) << at() << ": overlaps a live block";
         ASSERT_TRUE(next == live.begin() || std::prev(next)->first + std::prev(next)->second.size <= b)
@@ -277,9 +290,11 @@ TEST(HostPoolProperty, RandomOperationsKeepInvariantsAndTheShadowModel) {
       {"max_cached 2 MiB", 2 * MiB, 0},
       {"reserve 4 MiB + 100 B, max_cached 8 MiB", 8 * MiB, 4 * MiB + 100},
       {"max_cached 0", 0, 0},
+      {"three NUMA nodes", SIZE_MAX, 0, true},
+      {"three NUMA nodes, reserve 4 MiB, max_cached 2 MiB", 2 * MiB, 4 * MiB, true},
   };
-  for (std::uint64_t seed : {11u, 12u, 13u, 14u, 15u, 16u, 17u, 18u}) {
-    const Variant& v = variants[seed % 4];
+  for (std::uint64_t seed : {11u, 12u, 13u, 14u, 15u, 16u, 17u, 18u, 19u, 20u}) {
+    const Variant& v = variants[seed % 6];
     SCOPED_TRACE("seed " + std::to_string(seed) + ", " + v.name);
     run_sequence(seed, v, 20000);
     if (HasFatalFailure()) return;

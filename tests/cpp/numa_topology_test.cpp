@@ -56,6 +56,20 @@ TEST_F(FakeSysfs, TwoSocketMachine) {
   EXPECT_EQ(NumaTopology::node_of_pci_device("0000:CA:00.0", root()), 1) << "runtimes print upper case";
 }
 
+TEST_F(FakeSysfs, EachDeviceGetsItsOwnNodeOnlyWhereThereIsAChoice) {
+  write("devices/system/node/online", "0-1\n");
+  write("bus/pci/devices/0000:17:00.0/numa_node", "0\n");
+  write("bus/pci/devices/0000:ca:00.0/numa_node", "1\n");
+  write("bus/pci/devices/0000:cb:00.0/numa_node", "-1\n");
+  write("bus/pci/devices/0000:cc:00.0/numa_node", "3\n");  // a node that is not online
+  const NumaTopology two = NumaTopology::read(root());
+  EXPECT_EQ(two.device_nodes({"0000:CA:00.0", "0000:17:00.0", "0000:cb:00.0", "0000:cc:00.0", ""}, root()),
+            (std::vector<int>{1, 0, -1, -1, -1}));
+  write("devices/system/node/online", "0\n");  // one node: nothing to bind
+  const NumaTopology one = NumaTopology::read(root());
+  EXPECT_EQ(one.device_nodes({"0000:17:00.0", "0000:ca:00.0"}, root()), (std::vector<int>{-1, -1}));
+}
+
 TEST_F(FakeSysfs, UnknownOrUnreadableIsMinusOneOrOneNode) {
   write("bus/pci/devices/0000:01:00.0/numa_node", "-1\n");  // firmware does not say
   write("bus/pci/devices/0000:02:00.0/numa_node", "garbage\n");

@@ -12,6 +12,9 @@
 namespace hipferry::pool {
 
 // One segment of host memory.
+// No NUMA preference: the system's default placement (first touch).
+constexpr int kNoNumaNode = -1;
+
 struct HostSegment {
   void* host = nullptr;    // host address, aligned to at least kAlignment
   void* device = nullptr;  // device address of mapped memory, nullptr when not mapped
@@ -20,9 +23,10 @@ struct HostSegment {
 class HostMemoryProvider {
  public:
   virtual ~HostMemoryProvider() = default;
-  // `bytes` of (page-locked, where the provider pins) memory. Throws on
-  // failure; the message says what the system or runtime said.
-  virtual HostSegment allocate(std::size_t bytes) = 0;
+  // `bytes` of (page-locked, where the provider pins) memory, its pages on
+  // NUMA node `numa_node` (kNoNumaNode: wherever the system puts them).
+  // Throws on failure; the message says what the system or runtime said.
+  virtual HostSegment allocate(std::size_t bytes, int numa_node) = 0;
   // Gives back a segment from allocate() with the same `bytes`. Must not throw.
   virtual void release(const HostSegment& segment, std::size_t bytes) noexcept = 0;
   // "hipHostMalloc(portable|mapped)", for stats and error messages.
@@ -56,18 +60,14 @@ class UseEventSource {
 // `mapped` (on the CPU the "device" reads host memory directly).
 class AlignedHostMemoryProvider : public HostMemoryProvider {
  public:
-  // numa_node >= 0: the pages are bound to that node before anything touches them.
-  explicit AlignedHostMemoryProvider(bool mapped = true, int numa_node = -1) : mapped_(mapped), node_(numa_node) {}
-  HostSegment allocate(std::size_t bytes) override;
+  explicit AlignedHostMemoryProvider(bool mapped = true) : mapped_(mapped) {}
+  // A numa_node >= 0 binds the pages to it before anything touches them.
+  HostSegment allocate(std::size_t bytes, int numa_node) override;
   void release(const HostSegment& segment, std::size_t bytes) noexcept override;
-  std::string describe() const override {
-    return std::string("aligned host memory (not page-locked)") +
-           (node_ >= 0 ? ", NUMA node " + std::to_string(node_) : "");
-  }
+  std::string describe() const override { return "aligned host memory (not page-locked)"; }
 
  private:
   bool mapped_;
-  int node_;
 };
 
 // Events for a build without asynchronous streams: always complete.

@@ -35,12 +35,12 @@ class CompletedEvent : public UseEvent {
 
 }  // namespace
 
-HostSegment AlignedHostMemoryProvider::allocate(std::size_t bytes) {
+HostSegment AlignedHostMemoryProvider::allocate(std::size_t bytes, int numa_node) {
   void* p = std::aligned_alloc(4096, round_up(bytes, 4096));
   if (p == nullptr) throw std::runtime_error("aligned_alloc: out of host memory for " + format_bytes(bytes));
-  if (node_ >= 0) {
+  if (numa_node >= 0) {
     try {
-      bind_to_node(p, round_up(bytes, 4096), node_);
+      bind_to_node(p, round_up(bytes, 4096), numa_node);
     } catch (...) {
       std::free(p);
       throw;
@@ -74,6 +74,8 @@ HostPool::HostPool(std::unique_ptr<HostMemoryProvider> provider, std::unique_ptr
   require(options_.small_segment_bytes % kAlignment == 0 && options_.large_segment_bytes % kAlignment == 0,
           "segment sizes that are multiples of 256");
   stats_.capacity = options_.capacity;
+  require(options_.numa_node >= kNoNumaNode, "numa_node >= -1 (-1: no node)");
+  for (int node : options_.device_nodes) require(node >= kNoNumaNode, "device_nodes >= -1 (-1: no node)");
   require(size_class(options_.own_segment_threshold, SIZE_MAX) == options_.own_segment_threshold,
           "own_segment_threshold to be a size class (e.g. a power of two), so that sizes stay monotonic");
   if (options_.reserve_bytes > 0) {
@@ -85,12 +87,12 @@ HostPool::HostPool(std::unique_ptr<HostMemoryProvider> provider, std::unique_ptr
     }
     const std::size_t bytes = round_up(options_.reserve_bytes, kOwnSegmentGranule);
     const auto t0 = std::chrono::steady_clock::now();
-    const HostSegment memory = provider_->allocate(bytes);
+    const HostSegment memory = provider_->allocate(bytes, options_.numa_node);
     const auto t1 = std::chrono::steady_clock::now();
     std::lock_guard<std::mutex> lock(mutex_);
     ++stats_.system_allocs;
     stats_.system_alloc_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count();
-    add_segment(memory, bytes, SegmentKind::kReserve);
+    add_segment(memory, bytes, SegmentKind::kReserve, options_.numa_node);
   }
 }
 
@@ -123,22 +125,43 @@ std::set<HostPool::Block*, HostPool::BySizeThenAddress>& HostPool::free_set(Segm
   }
 }
 
-HostPool::Block* HostPool::find_free(std::size_t size, bool small) {
+int HostPool::node_of_device(int device) const {
+  if (device >= 0 && static_cast<std::size_t>(device) < options_.device_nodes.size() &&
+      options_.device_nodes[device] != kNoNumaNode)
+    return options_.device_nodes[device];
+  return options_.numa_node;
+}
+
+int HostPool::node_of_block(const void* host) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = live_.find(const_cast<void*>(host));
+  if (it == live_.end()) {
+    throw PoolError("hipferry pinned pool: node_of_block of an address that is not a live block of this pool; "
+                    "expected memory allocated by this pool and not yet freed");
+  }
+  return it->second->segment->node;
+}
+
+HostPool::Block* HostPool::find_free(std::size_t size, bool small, int node) {
+  Segment key_segment{};
   Block key{};
   key.size = size;
   key.host = nullptr;
-  const auto first_fit = [&key](std::set<Block*, BySizeThenAddress>& set) -> Block* {
+  key.segment = &key_segment;
+  const auto first_fit = [&key, &key_segment](std::set<Block*, BySizeThenAddress>& set, int on_node) -> Block* {
+    key_segment.node = on_node;
     auto it = set.lower_bound(&key);
-    return it == set.end() ? nullptr : *it;
+    return it == set.end() || (*it)->segment->node != on_node ? nullptr : *it;
   };
-  // The reserve serves every size class; small requests take it only when
-  // their own segments have no room (small blocks would pin large free space).
-  Block* reserve = first_fit(free_reserve_);
+  // The reserve (on numa_node) serves every size class and every node; small
+  // requests take it only when their own segments have no room (small blocks
+  // would pin large free space).
+  Block* reserve = first_fit(free_reserve_, options_.numa_node);
   if (small) {
-    Block* b = first_fit(free_small_);
+    Block* b = first_fit(free_small_, node);
     return b != nullptr ? b : reserve;
   }
-  Block* large = first_fit(free_large_);
+  Block* large = first_fit(free_large_, node);
   if (large == nullptr) return reserve;
   return reserve != nullptr && reserve->size <= large->size ? reserve : large;
 }
@@ -153,7 +176,7 @@ HostPool::Allocation HostPool::hand_out(Block* b, std::size_t size, std::size_t 
     Block* r = new Block{b->host + size, rest, 0, s, b, b->next, BlockState::kFree, {}};
     if (b->next != nullptr) b->next->prev = r;
     b->next = r;
-    b->size = size;
+    b->size = size;  // (b is out of the set: its key may change)
     free_set(s->kind).insert(r);
     free_bytes_ += rest;
   }
@@ -171,32 +194,45 @@ HostPool::Allocation HostPool::hand_out(Block* b, std::size_t size, std::size_t 
   return {b->host, device, b->size};
 }
 
-HostPool::Segment* HostPool::add_segment(const HostSegment& memory, std::size_t size, SegmentKind kind) {
-  auto s = std::make_unique<Segment>(Segment{memory, size, kind, nullptr});
+HostPool::Segment* HostPool::add_segment(const HostSegment& memory, std::size_t size, SegmentKind kind, int node) {
+  auto s = std::make_unique<Segment>(Segment{memory, size, kind, node, nullptr});
   s->first = new Block{static_cast<char*>(memory.host), size, 0, s.get(), nullptr, nullptr, BlockState::kFree, {}};
   free_set(kind).insert(s->first);
   free_bytes_ += size;
   if (kind != SegmentKind::kReserve) fully_free_bytes_ += size;
-  stats_.reserved_bytes += size;
+  count_segment(*s, /*added=*/true);
   stats_.peak_reserved_bytes = std::max(stats_.peak_reserved_bytes, stats_.reserved_bytes);
   segments_.push_back(std::move(s));
   return segments_.back().get();
 }
 
-HostPool::Allocation HostPool::allocate(std::size_t bytes) {
+void HostPool::count_segment(const Segment& s, bool added) {
+  if (added) {
+    stats_.reserved_bytes += s.size;
+    stats_.reserved_by_node[s.node] += s.size;
+    return;
+  }
+  stats_.reserved_bytes -= s.size;
+  auto it = stats_.reserved_by_node.find(s.node);
+  it->second -= s.size;
+  if (it->second == 0) stats_.reserved_by_node.erase(it);
+}
+
+HostPool::Allocation HostPool::allocate(std::size_t bytes, int device) {
   if (bytes == 0 || bytes > kMaxRequestBytes) {
     throw PoolError("hipferry pinned pool: cannot allocate " + std::to_string(bytes) +
                     " bytes; expected a size from 1 byte to 2^48 bytes");
   }
   const std::size_t size = size_class(bytes, options_.own_segment_threshold);
   const bool small = size <= options_.small_max;
+  const int node = node_of_device(device);
   const auto closed_error = [] {
     return PoolError("hipferry pinned pool: allocate on a closed pool; expected an open pool");
   };
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (closed_) throw closed_error();
-    if (Block* b = find_free(size, small)) {
+    if (Block* b = find_free(size, small, node)) {
       ++stats_.cache_hits;
       return hand_out(b, size, bytes);
     }
@@ -215,7 +251,7 @@ HostPool::Allocation HostPool::allocate(std::size_t bytes) {
     bool growth_checked = false;  // the growth bound is applied once per allocation
     for (;;) {
       if (closed_) throw closed_error();
-      if (Block* b = find_free(size, small)) {
+      if (Block* b = find_free(size, small, node)) {
         ++stats_.cache_hits;
         return hand_out(b, size, bytes);
       }
@@ -278,7 +314,7 @@ HostPool::Allocation HostPool::allocate(std::size_t bytes) {
   HostSegment memory;
   const auto t0 = std::chrono::steady_clock::now();
   try {
-    memory = provider_->allocate(segment_bytes);
+    memory = provider_->allocate(segment_bytes, node);
   } catch (const std::exception& e) {
     std::lock_guard<std::mutex> lock(mutex_);
     pending_bytes_ -= segment_bytes;
@@ -294,7 +330,7 @@ HostPool::Allocation HostPool::allocate(std::size_t bytes) {
   pending_bytes_ -= segment_bytes;
   ++stats_.system_allocs;
   stats_.system_alloc_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count();
-  Segment* s = add_segment(memory, segment_bytes, kind);
+  Segment* s = add_segment(memory, segment_bytes, kind, node);
   return hand_out(s->first, size, bytes);
 }
 
@@ -405,7 +441,7 @@ void HostPool::collect_free_segments(std::size_t keep_cached, bool include_reser
       free_set(s->kind).erase(s->first);
       free_bytes_ -= s->size;
       if (!reserve) fully_free_bytes_ -= s->size;
-      stats_.reserved_bytes -= s->size;
+      count_segment(*s, /*added=*/false);
       ++stats_.system_frees;
       delete s->first;
       s->first = nullptr;
@@ -446,7 +482,7 @@ void HostPool::collect_for_growth(std::size_t bytes, std::size_t segment_bytes, 
     free_set(c->kind).erase(c->first);
     free_bytes_ -= c->size;
     fully_free_bytes_ -= c->size;
-    stats_.reserved_bytes -= c->size;
+    count_segment(*c, /*added=*/false);
     ++stats_.system_frees;
     ++stats_.growth_releases;
     delete c->first;
@@ -620,6 +656,9 @@ void HostPool::check_invariants() const {
   if (free_small != free_small_.size() || free_large != free_large_.size() || free_reserve != free_reserve_.size())
     fail("free sets hold non-free blocks");
   if (reserved != stats_.reserved_bytes) fail("reserved_bytes != sum of segment sizes");
+  std::map<int, std::size_t> by_node;
+  for (const auto& s : segments_) by_node[s->node] += s->size;
+  if (by_node != stats_.reserved_by_node) fail("reserved_by_node != segment sizes by node");
   if (allocated != stats_.allocated_bytes) fail("allocated_bytes != live + waiting blocks");
   if (free_bytes != free_bytes_) fail("free byte count drifted");
   if (reserved != allocated + free_bytes) fail("reserved != allocated + free");

@@ -23,6 +23,13 @@ struct NumaTopology {
   // <sysfs_root>/bus/pci/devices/<id>/numa_node; -1 when unknown (no such
   // device, or the firmware does not say).
   static int node_of_pci_device(const std::string& pci_bus_id, const std::string& sysfs_root = "/sys");
+
+  // The node whose pages a pinned pool should give each device (by its PCI
+  // address): its own node on a machine of several nodes; -1 (no binding)
+  // on one node, for a device whose node is unknown, or one on a node that
+  // is not online.
+  std::vector<int> device_nodes(const std::vector<std::string>& pci_bus_ids,
+                                const std::string& sysfs_root = "/sys") const;
 };
 
 // "0,2-3" -> {0, 2, 3}. Throws std::invalid_argument on anything else.
