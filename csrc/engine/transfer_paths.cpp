@@ -89,7 +89,7 @@ transfer::TransferPlan plan_items(const std::vector<CopyItem>& items, bool wire_
 bool launch_jobs(PathContext& ctx, const std::vector<gpu::CopyJobSpec>& jobs, int device, rt::StreamHandle stream,
                  const std::string& track, std::size_t bytes) {
   if (jobs.empty()) return true;
-  const pool::HostPool::Allocation table = ctx.pool->allocate(gpu::batched_copy_table_bytes(jobs.size()));
+  const pool::HostPool::Allocation table = ctx.pool->allocate(gpu::batched_copy_table_bytes(jobs.size()), device);
   if (table.device == nullptr) {
     ctx.pool->deallocate(table.host);
     return false;
@@ -135,7 +135,7 @@ void stage_batches(PathContext& ctx, const StagedJob& job, int device, rt::Strea
     const PackedBatch& batch = job.plan.batches[b];
     const std::size_t table_offset = round_up(batch.staging_bytes, kAlign);
     const pool::HostPool::Allocation block =
-        ctx.pool->allocate(table_offset + gpu::batched_copy_table_bytes(batch.slots.size()));
+        ctx.pool->allocate(table_offset + gpu::batched_copy_table_bytes(batch.slots.size()), device);
     try {
       const std::int64_t t0 = tracing::now_ns();
       const auto pack = [&](std::int64_t lo, std::int64_t hi) {
@@ -201,7 +201,7 @@ void stage_chunks(PathContext& ctx, const StagedJob& job, int device, rt::Stream
   try {
     for (const Chunk& c : job.plan.chunks) {
       const std::size_t k = ring.next_slot();
-      if (k == blocks.size()) blocks.push_back(ctx.pool->allocate(slot_bytes));
+      if (k == blocks.size()) blocks.push_back(ctx.pool->allocate(slot_bytes, device));
       const CopyItem& it = job.items[c.item];
       const std::size_t bytes = c.elements * it.dst_element_bytes;
       void* block = blocks[k].host;

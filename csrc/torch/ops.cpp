@@ -10,5 +10,7 @@ TORCH_LIBRARY(hipferry, m) {
   m.def("copy_cast_(Tensor(a!) dst, Tensor src) -> ()");
   // A CPU tensor whose storage is a block of the pinned pool `pool` (an id
   // from hipferry._C.create_pinned_pool); the block returns when it dies.
-  m.def("pool_empty(int pool, int[] size, ScalarType dtype) -> Tensor");
+  // for_device: the GPU whose copies will use it (its pages come from that
+  // GPU's NUMA node); -1: the current GPU.
+  m.def("pool_empty(int pool, int[] size, ScalarType dtype, int for_device=-1) -> Tensor");
 }

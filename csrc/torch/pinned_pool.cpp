@@ -47,7 +47,7 @@ const PoolBlock* pool_block_of(const at::Tensor& t) {
 }  // namespace
 
 std::int64_t create_pinned_pool(const PinnedPoolConfig& config) {
-  auto provider = make_host_memory_provider(config.provider, config.flags, config.register_threads, config.numa_node);
+  auto provider = make_host_memory_provider(config.provider, config.flags, config.register_threads);
   auto pool = std::make_shared<pool::HostPool>(std::move(provider), make_use_event_source(), config.options);
   // Results of transfers that completed but were not yet polled hold blocks:
   // an allocation over the capacity lets go of them before it fails.
@@ -78,7 +78,9 @@ void destroy_pinned_pool(std::int64_t id) {
   pool->close();  // outside the registry lock: it releases memory
 }
 
-at::Tensor pool_empty(std::int64_t pool_id, at::IntArrayRef sizes, at::ScalarType dtype) {
+at::Tensor pool_empty(std::int64_t pool_id, at::IntArrayRef sizes, at::ScalarType dtype, std::int64_t for_device) {
+  TORCH_CHECK(for_device >= -1 && for_device < (std::int64_t{1} << 16), "hipferry.PinnedPool.empty: for_device ",
+              for_device, " is not a device index; expected -1 (the current GPU) or an index >= 0");
   bool empty = false;
   for (std::size_t i = 0; i < sizes.size(); ++i) {
     TORCH_CHECK(sizes[i] >= 0, "hipferry.PinnedPool.empty: size has a negative dimension ", sizes[i],
@@ -101,9 +103,13 @@ at::Tensor pool_empty(std::int64_t pool_id, at::IntArrayRef sizes, at::ScalarTyp
     TORCH_CHECK(!pool->closed(), "hipferry.PinnedPool.empty: the pool is closed; expected an open pool");
     return at::empty(sizes, options);
   }
+  // Only a pool that places by device asks which GPU is current (a runtime
+  // call, but one that takes no lock and no driver round trip).
+  int device = static_cast<int>(for_device);
+  if (device < 0 && !pool->options().device_nodes.empty() && rt::device_count() > 0) device = rt::current_device();
   pool::HostPool::Allocation block;
   try {
-    block = pool->allocate(nbytes);
+    block = pool->allocate(nbytes, device);
   } catch (const pool::PoolCapacityError& e) {
     TORCH_CHECK_WITH(OutOfMemoryError, false, e.what());
   } catch (const pool::PoolError& e) {

@@ -17,8 +17,7 @@ struct PinnedPoolConfig {
   std::string provider = "auto";  // see make_host_memory_provider
   unsigned flags = 0;             // rt::HostAllocFlags
   int register_threads = 8;
-  int numa_node = -1;             // >= 0: the pool's pages come from this node
-  pool::PoolOptions options;
+  pool::PoolOptions options;      // NUMA placement included (numa_node, device_nodes)
 };
 
 // Creates a pool and returns its id. Throws pool::PoolError for bad options.
@@ -30,7 +29,10 @@ void destroy_pinned_pool(std::int64_t id);
 
 // A CPU tensor of `sizes` and `dtype` whose storage is one block of the pool;
 // the block goes back when the storage dies (every view of it included).
-at::Tensor pool_empty(std::int64_t pool_id, at::IntArrayRef sizes, at::ScalarType dtype);
+// `for_device`: the GPU whose copies will use it, for NUMA placement; -1: the
+// current GPU (when the pool places by device and there is one).
+at::Tensor pool_empty(std::int64_t pool_id, at::IntArrayRef sizes, at::ScalarType dtype,
+                      std::int64_t for_device = -1);
 
 // If `t`'s storage is a pool block, notes that `stream` on `device` uses it
 // (deallocation then waits for that work). Returns false for other tensors.

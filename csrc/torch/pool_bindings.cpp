@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "csrc/core/host_pool/numa_binding.h"
+#include "csrc/core/host_pool/numa_topology.h"
 #include "csrc/torch/pinned_pool.h"
 
 namespace py = pybind11;
@@ -39,12 +40,15 @@ py::dict pool_stats(std::int64_t id) {
   d["system_frees"] = s.system_frees;
   d["system_alloc_seconds"] = static_cast<double>(s.system_alloc_ns) * 1e-9;
   d["capacity"] = s.capacity;
+  py::dict by_node;  // -1: pages the system placed (no binding)
+  for (const auto& [node, bytes] : s.reserved_by_node) by_node[py::int_(node)] = bytes;
+  d["reserved_by_node"] = by_node;
   return d;
 }
 
 std::int64_t create(const std::string& provider, unsigned flags, int register_threads, std::size_t capacity,
                     std::size_t max_cached_bytes, std::size_t reserve_bytes, const std::string& capacity_origin,
-                    int numa_node) {
+                    int numa_node, const std::vector<int>& device_nodes) {
   PinnedPoolConfig config;
   config.provider = provider;
   config.flags = flags;
@@ -53,7 +57,8 @@ std::int64_t create(const std::string& provider, unsigned flags, int register_th
   config.options.max_cached_bytes = max_cached_bytes;
   config.options.reserve_bytes = reserve_bytes;
   config.options.capacity_origin = capacity_origin;
-  config.numa_node = numa_node;
+  config.options.numa_node = numa_node;
+  config.options.device_nodes = device_nodes;
   py::gil_scoped_release no_gil;  // the reserve may take a while to pin
   return create_pinned_pool(config);
 }
@@ -64,7 +69,20 @@ void bind_pinned_pool(py::module_& m) {
   py::register_exception<pool::PoolError>(m, "PoolError", PyExc_RuntimeError);
   m.def("create_pinned_pool", &create, py::arg("provider"), py::arg("flags"), py::arg("register_threads"),
         py::arg("capacity"), py::arg("max_cached_bytes"), py::arg("reserve_bytes"), py::arg("capacity_origin") = "",
-        py::arg("numa_node") = -1);
+        py::arg("numa_node") = -1, py::arg("device_nodes") = std::vector<int>{});
+  m.def("numa_device_nodes",
+        [](const std::vector<std::string>& pci_bus_ids, const std::string& sysfs_root) {
+          return pool::NumaTopology::read(sysfs_root).device_nodes(pci_bus_ids, sysfs_root);
+        },
+        py::arg("pci_bus_ids"), py::arg("sysfs_root") = "/sys",
+        "The NUMA node each device's pinned memory should come from (-1: no binding: one node, or unknown).");
+  m.def("pool_node_of_block", [](std::int64_t id, std::uintptr_t host) {
+    return pinned_pool(id)->node_of_block(reinterpret_cast<void*>(host));
+  });
+  m.def("pool_numa_placement", [](std::int64_t id) {
+    const pool::PoolOptions& o = pinned_pool(id)->options();
+    return py::make_tuple(o.numa_node, o.device_nodes);
+  });
   m.def("numa_node_of_address", [](std::uintptr_t p) { return pool::node_of_address(reinterpret_cast<const void*>(p)); },
         py::arg("address"), "The NUMA node of the touched page at `address` (-1: the kernel cannot say).");
   m.def("destroy_pinned_pool", [](std::int64_t id) {

@@ -305,7 +305,8 @@ std::shared_ptr<Transfer> start_transfer(TransferRequest r) {
     // Host results come from the pool: cached blocks, so a copy does not pay
     // for faulting in fresh pages (which costs more than the copy itself).
     at::Tensor dst = gpu && prefetch ? at::empty(t.sizes(), at::TensorOptions().dtype(out_type).device(where))
-                                     : pool_empty(r.pool_id, t.sizes(), out_type);  // OutOfMemoryError: nothing queued
+                                     : pool_empty(r.pool_id, t.sizes(), out_type,  // OutOfMemoryError: nothing queued
+                                                  t.is_cpu() ? -1 : t.device().index());
     handle->nbytes_ += dst.nbytes();
     sources.push_back(std::move(src));
     results.push_back(std::move(dst));

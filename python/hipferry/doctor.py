@@ -73,6 +73,22 @@ def measure_gpu_bandwidth(device: int, nbytes: int = 64 * MiB, repeats: int = 5)
         return out
 
 
+def _default_pool_placement(native) -> str:
+    """Where the default pool's pages come from, from its configuration (the
+    pool is not made)."""
+    try:
+        default, devices = pool._numa_placement(pool.default_pool_config().get("numa_node", "auto"))
+    except (TypeError, ValueError) as e:
+        return f"the default pool's numa_node is invalid: {e}"
+    placed = [f"GPU {d} -> node {n}" for d, n in enumerate(devices) if n >= 0]
+    if placed:
+        return ("the default pool gives each GPU pages from its node (" + ", ".join(placed) +
+                f"), host-only memory {'from node ' + str(default) if default >= 0 else 'unbound'}")
+    if default >= 0:
+        return f"the default pool's pages come from node {default}"
+    return "the default pool binds no node: its pages land where first touched"
+
+
 def describe_pool(gpu: bool, nbytes: int = 64 * MiB) -> str:
     """Which memory the default pool configuration gets, and how long a cold allocation takes."""
     with pool.PinnedPool(**pool.default_pool_config()) as p:
@@ -214,8 +230,7 @@ def run(quick: bool = False) -> int:
     from . import _C as _native
     nodes = _native.numa_nodes()
     w(f"  numa            {len(nodes)} node(s): {', '.join(map(str, nodes))}"
-      f"{'' if len(nodes) > 1 else ' (no placement to choose)'}; the default pool's pages land where first "
-      "touched (PinnedPool(numa_node=N) binds a pool to node N)\n")
+      f"{'' if len(nodes) > 1 else ' (no placement to choose)'}; {_default_pool_placement(_native)}\n")
 
     problems = diagnose(build["target"], flavor, runtime_devices, torch_devices)
     for n in notes(build["target"], flavor, runtime_devices):

@@ -9,7 +9,7 @@ import inspect
 import os
 import re
 import threading
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -109,16 +109,24 @@ class PinnedPool:
             flags. ``coherent=None`` leaves the platform default; ``False`` asks
             for non-coherent memory, which AMD GPUs re-read faster (no effect
             on NVIDIA). ``mapped`` memory is readable by GPU kernels directly.
-        numa_node: the NUMA node the pool's pages come from (bound before they
-            are first touched); ``None``: where the first touch puts them.
-            Put a pool for a GPU on that GPU's node (``hipferry doctor`` lists
-            each device's node): pages on the other socket cost bandwidth.
+        numa_node: which NUMA node the pool's pages come from (bound before
+            they are first touched; pages on the other socket cost copy
+            bandwidth). ``"auto"`` (default): on a host of several nodes,
+            memory for each GPU comes from that GPU's node (sysfs, by its PCI
+            address), with free lists per node; on one node nothing is bound.
+            An int: every page from that node. A dict ``{device_index:
+            node}``: that placement (other devices and host-only memory:
+            unbound). ``None``: where the first touch puts them.
+            ``empty(..., for_device=)`` names the GPU a tensor is for (default:
+            the current one). The reserve lives on the int node, else unbound,
+            and serves every node.
     """
 
     def __init__(self, capacity: Size = None, *, max_cached: Size = None, reserve: Size = 0,
                  provider: str = "auto", portable: bool = True, mapped: bool = True,
                  coherent: Optional[bool] = None, numa_user: bool = False, write_combined: bool = False,
-                 register_threads: int = 8, numa_node: Optional[int] = None, _capacity_origin: str = ""):
+                 register_threads: int = 8, numa_node: Union[None, int, str, Dict[int, int]] = "auto",
+                 _capacity_origin: str = ""):
         cap = parse_bytes(capacity, "capacity")
         if cap is not None and cap < _MIN_CAPACITY:
             raise ValueError(f"hipferry.PinnedPool: capacity must be at least {_MIN_CAPACITY} bytes (one block), "
@@ -139,13 +147,7 @@ class PinnedPool:
                 not 1 <= register_threads <= MAX_REGISTER_THREADS:
             raise ValueError(f"hipferry.PinnedPool: register_threads must be an int from 1 to "
                              f"{MAX_REGISTER_THREADS}, got {register_threads!r}")
-        if numa_node is not None:
-            if isinstance(numa_node, bool) or not isinstance(numa_node, int):
-                raise TypeError(f"hipferry.PinnedPool: numa_node must be an int or None, got {numa_node!r}")
-            nodes = _C.numa_nodes()
-            if numa_node not in nodes:
-                raise ValueError(f"hipferry.PinnedPool: numa_node {numa_node} is not an online NUMA node; this host has "
-                                 f"node(s) {nodes}")
+        default_node, device_nodes = _numa_placement(numa_node)
         for flag, value in (("portable", portable), ("mapped", mapped), ("numa_user", numa_user),
                             ("write_combined", write_combined)):
             if not isinstance(value, bool):  # "no" or [] would silently mean True / False
@@ -157,22 +159,26 @@ class PinnedPool:
         self._id = _C.create_pinned_pool(provider, _flags(portable, mapped, coherent, numa_user, write_combined),
                                          register_threads, _UNLIMITED if cap is None else cap,
                                          _UNLIMITED if cached is None else cached, reserve_bytes,
-                                         _capacity_origin, -1 if numa_node is None else numa_node)
+                                         _capacity_origin, default_node, device_nodes)
 
     # --- allocation -----------------------------------------------------------------
-    def empty(self, *size: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def empty(self, *size: Any, dtype: torch.dtype = torch.float32, for_device: Any = None) -> torch.Tensor:
         """A contiguous CPU tensor whose storage lives in the pool.
 
         The memory goes back to the pool when the tensor and every view of it
         are gone, and only after GPU work recorded on it (``record_use``, or
-        hipferry's own copies) has completed.
+        hipferry's own copies) has completed. ``for_device`` (an index,
+        ``"cuda:1"`` or a ``torch.device``; default: the current GPU) is the
+        GPU whose copies will use it: its pages come from that GPU's NUMA node
+        where the pool places by device (``numa_node``).
         """
         shape = _check_shape(size)
+        device = _device_index(for_device, "hipferry.PinnedPool.empty")
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"hipferry.PinnedPool.empty: dtype must be a torch.dtype, got {type(dtype).__name__}")
         if dtype in (torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4):
             raise ValueError(f"hipferry.PinnedPool.empty: dtype {dtype} is quantized; expected a plain dtype")
-        return torch.ops.hipferry.pool_empty.default(self._open_id("empty"), shape, dtype)
+        return torch.ops.hipferry.pool_empty.default(self._open_id("empty"), shape, dtype, device)
 
     def empty_like(self, t: torch.Tensor) -> torch.Tensor:
         """``empty(t.shape, dtype=t.dtype)``."""
@@ -208,11 +214,30 @@ class PinnedPool:
                              "no GPU through hipferry; expected stream=None")
         _C.pool_record_use(pool_id, t.untyped_storage().data_ptr(), stream.device.index, stream.cuda_stream)
 
+    def numa_node_of(self, t: torch.Tensor) -> int:
+        """The NUMA node the pool placed ``t``'s block on (-1: unbound, where
+        its first touch put it; ``_C.numa_node_of_address`` asks the kernel)."""
+        pool_id = self._open_id("numa_node_of")
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"hipferry.PinnedPool.numa_node_of: t must be a torch.Tensor, got {type(t).__name__}")
+        if t.device.type != "cpu" or t.numel() == 0 or not _C.pool_owns(pool_id, t.untyped_storage().data_ptr()):
+            raise ValueError("hipferry.PinnedPool.numa_node_of: t must be a non-empty tensor allocated from this "
+                             f"pool, got a {t.device} tensor that is not")
+        return _C.pool_node_of_block(pool_id, t.untyped_storage().data_ptr())
+
+    @property
+    def numa_placement(self) -> dict:
+        """``{"default": node, "devices": {index: node}}``: where host-only
+        memory and the reserve come from, and each placed GPU's node (-1:
+        unbound)."""
+        default, devices = _C.pool_numa_placement(self._open_id("numa_placement"))
+        return {"default": default, "devices": {d: n for d, n in enumerate(devices) if n >= 0}}
+
     # --- maintenance ----------------------------------------------------------------
     def stats(self) -> dict:
         """Bytes requested/allocated/reserved (current and peak), cache hits and
         misses, system allocations and frees and the time they took, blocks
-        waiting on GPU events, capacity."""
+        waiting on GPU events, capacity, ``reserved_by_node`` (-1: unbound)."""
         s = _C.pool_stats(self._open_id("stats"))
         if s["capacity"] == _UNLIMITED:
             s["capacity"] = None
@@ -300,6 +325,15 @@ def parse_pool_config(text: str) -> dict:
             except ValueError:
                 raise ValueError(f"hipferry: {ENV_VAR} register_threads must be an integer from 1 to "
                                  f"{MAX_REGISTER_THREADS}, got {value!r}") from None
+        elif key == "numa_node":
+            if value.lower() in ("none", "auto"):
+                config[key] = None if value.lower() == "none" else "auto"
+            else:
+                try:
+                    config[key] = int(value)
+                except ValueError:
+                    raise ValueError(f"hipferry: {ENV_VAR} numa_node must be auto, none or a node number, "
+                                     f"got {value!r}") from None
         elif key in ("portable", "mapped", "numa_user", "write_combined", "coherent"):
             if value.lower() not in ("0", "1", "true", "false", "none"):
                 raise ValueError(f"hipferry: {ENV_VAR} {key} must be true/false, got {value!r}")
@@ -307,7 +341,7 @@ def parse_pool_config(text: str) -> dict:
         else:
             raise ValueError(f"hipferry: {ENV_VAR} has unknown key {key!r}; expected capacity, max_cached, "
                              "reserve, provider, register_threads, portable, mapped, coherent, numa_user, "
-                             "write_combined")
+                             "write_combined, numa_node")
     return config
 
 
@@ -374,6 +408,71 @@ def pin(tensor: torch.Tensor, pool: Optional[PinnedPool] = None) -> torch.Tensor
     return out
 
 
+def _numa_placement(numa_node: Any) -> Tuple[int, List[int]]:
+    """PinnedPool's numa_node -> (node of host-only memory, node of each device)."""
+    where = "hipferry.PinnedPool: numa_node"
+    if numa_node is None:
+        return -1, []
+    if isinstance(numa_node, str):
+        if numa_node != "auto":
+            raise ValueError(f"{where} must be 'auto', None, a node number or a dict {{device: node}}, "
+                             f"got {numa_node!r}")
+        nodes = device_numa_nodes()
+        return -1, nodes if any(n >= 0 for n in nodes) else []
+    online = _C.numa_nodes()
+
+    def node(value: Any, what: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{where}{what} must be an int, got {value!r}")
+        if value not in online:
+            raise ValueError(f"{where}{what} is {value}, not an online NUMA node; this host has node(s) {online}")
+        return value
+
+    if isinstance(numa_node, dict):
+        devices: List[int] = []
+        for d, n in numa_node.items():
+            if isinstance(d, bool) or not isinstance(d, int) or not 0 <= d < 1 << 16:
+                raise TypeError(f"{where} keys must be device indices (ints from 0), got {d!r}")
+            n = node(n, f"[{d}]")
+            devices.extend([-1] * (d + 1 - len(devices)))
+            devices[d] = n
+        return -1, devices
+    if isinstance(numa_node, bool) or not isinstance(numa_node, int):
+        raise TypeError(f"{where} must be 'auto', None, a node number or a dict {{device: node}}, got {numa_node!r}")
+    return node(numa_node, ""), []
+
+
+def device_numa_nodes(pci_bus_ids: Optional[Sequence[str]] = None, sysfs_root: str = "/sys") -> List[int]:
+    """The NUMA node each GPU's pinned memory should come from: the GPU's own
+    node on a host of several nodes, -1 (no binding) on one node or where
+    sysfs does not say. ``pci_bus_ids`` defaults to the visible GPUs'."""
+    if pci_bus_ids is None:
+        pci_bus_ids = [_C.device_info(d)["pci_bus_id"] for d in range(_C.device_count())]
+    return list(_C.numa_device_nodes(list(pci_bus_ids), sysfs_root))
+
+
+def _device_index(device: Any, where: str) -> int:
+    """for_device -> a GPU index, -1 for None (the current GPU)."""
+    if device is None:
+        return -1
+    if isinstance(device, bool):
+        raise TypeError(f"{where}: for_device must be a GPU index, 'cuda:N', a torch.device or None, got {device!r}")
+    if isinstance(device, int):
+        index = device
+    else:
+        try:
+            d = torch.device(device)
+        except (TypeError, RuntimeError):
+            raise TypeError(f"{where}: for_device must be a GPU index, 'cuda:N', a torch.device or None, "
+                            f"got {device!r}") from None
+        if d.type != "cuda":
+            raise ValueError(f"{where}: for_device must name a GPU, got {d}")
+        index = -1 if d.index is None else d.index
+    if not -1 <= index < 1 << 16:
+        raise ValueError(f"{where}: for_device must be a GPU index from 0, got {index}")
+    return index
+
+
 @torch.library.register_fake("hipferry::pool_empty")
-def _pool_empty_fake(pool: int, size: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+def _pool_empty_fake(pool: int, size: Sequence[int], dtype: torch.dtype, for_device: int = -1) -> torch.Tensor:
     return torch.empty(size, dtype=dtype, device="cpu")

@@ -492,22 +492,3 @@ def test_record_use_rejects_a_stream_that_is_not_one_on_every_machine(pool):
     t = pool.empty(8)
     with pytest.raises(TypeError, match=r"stream must be a torch.cuda.Stream or None, got str"):
         pool.record_use(t, stream="s")
-
-
-def test_a_pool_on_a_numa_node_places_its_pages_there():
-    node = hipferry._C.numa_nodes()[0]
-    with hipferry.PinnedPool(numa_node=node, provider="pageable") as p:
-        t = p.empty(4 * MiB, dtype=torch.uint8).fill_(1)  # touched: placed
-        where = hipferry._C.numa_node_of_address(t.data_ptr())
-        assert where in (node, -1), where  # -1: the kernel cannot say (seccomp)
-        assert f"NUMA node {node}" in p.provider
-        del t
-
-
-@pytest.mark.parametrize("node,exc,pattern", [(99, ValueError, r"numa_node 99 is not an online NUMA node; this host "
-                                                               r"has node\(s\) \["),
-                                              ("0", TypeError, "numa_node must be an int or None"),
-                                              (True, TypeError, "numa_node must be an int or None")])
-def test_numa_node_is_checked(node, exc, pattern):
-    with pytest.raises(exc, match=pattern):
-        hipferry.PinnedPool(numa_node=node)
