@@ -25,14 +25,18 @@ import sys
 from collections import defaultdict
 
 RATE_WORDS = ("gbps", "gb/s", "per_s", "throughput")
-FIELDS = ("seconds", "step_s", "tokens_per_s", "GBps")  # primary measures; the rest are derived
+FIELDS = ("seconds", "step_s", "tokens_per_s", "GBps", "value")  # primary measures; the rest are derived
 BASELINES = {"transfer": "memcpy", "optim": "torch AdamW fused=True", "layers": "no offload",
-             "activations": "no offload"}
+             "activations": "no offload", "pool": "torch.empty"}
 
 
 def is_rate(field, row):
     f = field.lower()
     return any(w in f for w in RATE_WORDS) or str(row.get("unit", "")).lower() in ("gb/s", "gbps")
+
+
+def is_number(x):
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def key_of(row):
@@ -59,8 +63,8 @@ def normalized(rows, prefix):
         b = base.get(group_of(r))
         if b is None:
             continue
-        out.append((r, {f: r[f] / b[f] for f in FIELDS
-                        if isinstance(r.get(f), float) and isinstance(b.get(f), float) and b[f] > 0 and r[f] > 0}))
+        out.append((r, {f: r[f] / b[f] for f in FIELDS if is_number(r.get(f)) and is_number(b.get(f))
+                        and b[f] > 0 and r[f] > 0}))
     return out
 
 

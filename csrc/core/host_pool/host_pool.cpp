@@ -143,15 +143,14 @@ int HostPool::node_of_block(const void* host) const {
 }
 
 HostPool::Block* HostPool::find_free(std::size_t size, bool small, int node) {
-  Segment key_segment{};
   Block key{};
   key.size = size;
   key.host = nullptr;
-  key.segment = &key_segment;
-  const auto first_fit = [&key, &key_segment](std::set<Block*, BySizeThenAddress>& set, int on_node) -> Block* {
-    key_segment.node = on_node;
+  const auto first_fit = [&key](std::set<Block*, BySizeThenAddress>& set, int on_node) -> Block* {
+    if (set.empty()) return nullptr;
+    key.node = on_node;
     auto it = set.lower_bound(&key);
-    return it == set.end() || (*it)->segment->node != on_node ? nullptr : *it;
+    return it == set.end() || (*it)->node != on_node ? nullptr : *it;
   };
   // The reserve (on numa_node) serves every size class and every node; small
   // requests take it only when their own segments have no room (small blocks
@@ -173,7 +172,7 @@ HostPool::Allocation HostPool::hand_out(Block* b, std::size_t size, std::size_t 
   if (b->size == s->size && s->kind != SegmentKind::kReserve) fully_free_bytes_ -= s->size;
   const std::size_t rest = b->size - size;
   if (rest >= kAlignment) {  // (an own segment too: its rest serves smaller requests)
-    Block* r = new Block{b->host + size, rest, 0, s, b, b->next, BlockState::kFree, {}};
+    Block* r = new Block{b->host + size, rest, 0, s, b, b->next, BlockState::kFree, s->node, {}};
     if (b->next != nullptr) b->next->prev = r;
     b->next = r;
     b->size = size;  // (b is out of the set: its key may change)
@@ -196,7 +195,7 @@ HostPool::Allocation HostPool::hand_out(Block* b, std::size_t size, std::size_t 
 
 HostPool::Segment* HostPool::add_segment(const HostSegment& memory, std::size_t size, SegmentKind kind, int node) {
   auto s = std::make_unique<Segment>(Segment{memory, size, kind, node, nullptr});
-  s->first = new Block{static_cast<char*>(memory.host), size, 0, s.get(), nullptr, nullptr, BlockState::kFree, {}};
+  s->first = new Block{static_cast<char*>(memory.host), size, 0, s.get(), nullptr, nullptr, BlockState::kFree, node, {}};
   free_set(kind).insert(s->first);
   free_bytes_ += size;
   if (kind != SegmentKind::kReserve) fully_free_bytes_ += size;
@@ -626,6 +625,7 @@ void HostPool::check_invariants() const {
     const Block* prev = nullptr;
     for (const Block* b = s->first; b != nullptr; prev = b, b = b->next) {
       if (b->segment != s.get()) fail("block points at another segment");
+      if (b->node != s->node) fail("block's node is not its segment's");
       if (b->prev != prev) fail("broken prev link");
       if (b->host != expect) fail("blocks do not tile their segment (gap or overlap)");
       if (b->size == 0 || b->size % kAlignment != 0) fail("block size not a positive multiple of 256");

@@ -199,6 +199,7 @@ class HostPool {
     Block* prev;           // address neighbours inside the segment
     Block* next;
     BlockState state;
+    int node;              // segment->node, kept here: the free sets compare it on every lookup
     std::vector<StreamUse> uses;  // streams recorded while live
   };
   struct Segment {
@@ -211,7 +212,7 @@ class HostPool {
   // Per-node free lists in one set: node, then best fit, then lowest address.
   struct BySizeThenAddress {
     bool operator()(const Block* a, const Block* b) const {
-      if (a->segment->node != b->segment->node) return a->segment->node < b->segment->node;
+      if (a->node != b->node) return a->node < b->node;
       return a->size != b->size ? a->size < b->size : a->host < b->host;
     }
   };
