@@ -48,7 +48,7 @@ py::dict pool_stats(std::int64_t id) {
 
 std::int64_t create(const std::string& provider, unsigned flags, int register_threads, std::size_t capacity,
                     std::size_t max_cached_bytes, std::size_t reserve_bytes, const std::string& capacity_origin,
-                    int numa_node, const std::vector<int>& device_nodes) {
+                    int numa_node, const std::vector<int>& device_nodes, double growth_limit) {
   PinnedPoolConfig config;
   config.provider = provider;
   config.flags = flags;
@@ -59,6 +59,7 @@ std::int64_t create(const std::string& provider, unsigned flags, int register_th
   config.options.capacity_origin = capacity_origin;
   config.options.numa_node = numa_node;
   config.options.device_nodes = device_nodes;
+  config.options.growth_limit = growth_limit;
   py::gil_scoped_release no_gil;  // the reserve may take a while to pin
   return create_pinned_pool(config);
 }
@@ -69,7 +70,8 @@ void bind_pinned_pool(py::module_& m) {
   py::register_exception<pool::PoolError>(m, "PoolError", PyExc_RuntimeError);
   m.def("create_pinned_pool", &create, py::arg("provider"), py::arg("flags"), py::arg("register_threads"),
         py::arg("capacity"), py::arg("max_cached_bytes"), py::arg("reserve_bytes"), py::arg("capacity_origin") = "",
-        py::arg("numa_node") = -1, py::arg("device_nodes") = std::vector<int>{});
+        py::arg("numa_node") = -1, py::arg("device_nodes") = std::vector<int>{},
+        py::arg("growth_limit") = pool::PoolOptions{}.growth_limit);
   m.def("numa_device_nodes",
         [](const std::vector<std::string>& pci_bus_ids, const std::string& sysfs_root) {
           return pool::NumaTopology::read(sysfs_root).device_nodes(pci_bus_ids, sysfs_root);

@@ -126,7 +126,7 @@ class PinnedPool:
                  provider: str = "auto", portable: bool = True, mapped: bool = True,
                  coherent: Optional[bool] = None, numa_user: bool = False, write_combined: bool = False,
                  register_threads: int = 8, numa_node: Union[None, int, str, Dict[int, int]] = "auto",
-                 _capacity_origin: str = ""):
+                 _capacity_origin: str = "", _growth_limit: Optional[float] = None):
         cap = parse_bytes(capacity, "capacity")
         if cap is not None and cap < _MIN_CAPACITY:
             raise ValueError(f"hipferry.PinnedPool: capacity must be at least {_MIN_CAPACITY} bytes (one block), "
@@ -159,7 +159,8 @@ class PinnedPool:
         self._id = _C.create_pinned_pool(provider, _flags(portable, mapped, coherent, numa_user, write_combined),
                                          register_threads, _UNLIMITED if cap is None else cap,
                                          _UNLIMITED if cached is None else cached, reserve_bytes,
-                                         _capacity_origin, default_node, device_nodes)
+                                         _capacity_origin, default_node, device_nodes,
+                                         *([] if _growth_limit is None else [float(_growth_limit)]))
 
     # --- allocation -----------------------------------------------------------------
     def empty(self, *size: Any, dtype: torch.dtype = torch.float32, for_device: Any = None) -> torch.Tensor:

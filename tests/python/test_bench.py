@@ -86,6 +86,16 @@ def test_pool_suite_measures_every_contender(tmp_path):
     # Bytes held can never be fewer than bytes asked for.
     assert all(row["value"] >= 1.0 for row in rows if row["measure"].startswith("reserved/requested"))
     assert (tmp_path / "pool.png").read_bytes()[:4] == b"\x89PNG"
+    # Churn (issue 16): the pool within its bound after the first fill and every round, beside the
+    # measured alternative without the bound and torch's rule computed on the same sequence.
+    churn = {(row["measure"], row["contender"]): row["value"] for row in rows
+             if row["measure"].startswith("reserved/peak requested")}
+    fills = [m for m, c in churn if c == "hipferry pool"]
+    assert len(fills) == 4 and "reserved/peak requested, first fill" in fills
+    for m in fills:
+        assert 1.0 <= churn[(m, "hipferry pool")] <= (1.15 if m.endswith("first fill") else 1.25), m
+        assert churn[(m, "torch pinned rule (power of two, no splitting; computed)")] >= 1.0
+        assert churn[(m, "hipferry pool, no growth bound (splitting only)")] >= 1.0
 
 
 def test_transfer_suite_measures_every_case_and_draws_a_timeline(tmp_path):

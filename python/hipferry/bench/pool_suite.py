@@ -222,23 +222,28 @@ def _churn(ctx, rows, notes):
     ctx.progress("pool", 1, 1, f"churn: {len(ops)} operations, hidden {hidden}, MLP {mlp}, {layers} layers, "
                  f"{rounds} rounds")
     model = _power_of_two_model(ops, marks=True)
-    with PinnedPool() as pool:
-        live, requested, peak = {}, 0, 0
-        for op, key, n in ops:
-            if op == "alloc":
-                live[key] = pool.empty(n, dtype=torch.uint8)
-                requested += n
-                peak = max(peak, requested)
-            elif op == "free":
-                requested -= live.pop(key).numel()
-            else:
-                s = pool.stats()
-                what = "first fill" if key == 0 else f"after churn round {key}"
-                rows.append(_row(f"reserved/peak requested, {what}", peak, "hipferry pool",
-                                 s["reserved_bytes"] / peak, "ratio"))
-                rows.append(_row(f"reserved/peak requested, {what}", peak,
-                                 "torch pinned rule (power of two, no splitting; computed)", model[key], "ratio"))
-        del live
+    # The pool as built, and (measured, the alternative its growth bound is
+    # chosen over) the same pool splitting cached segments but giving none back.
+    for contender, growth_limit in (("hipferry pool", None), ("hipferry pool, no growth bound (splitting only)", 0.0)):
+        with PinnedPool(_growth_limit=growth_limit) as pool:
+            live, requested, peak = {}, 0, 0
+            for op, key, n in ops:
+                if op == "alloc":
+                    live[key] = pool.empty(n, dtype=torch.uint8)
+                    requested += n
+                    peak = max(peak, requested)
+                elif op == "free":
+                    requested -= live.pop(key).numel()
+                else:
+                    s = pool.stats()
+                    what = "first fill" if key == 0 else f"after churn round {key}"
+                    rows.append(_row(f"reserved/peak requested, {what}", peak, contender,
+                                     s["reserved_bytes"] / peak, "ratio"))
+                    if growth_limit is None:
+                        rows.append(_row(f"reserved/peak requested, {what}", peak,
+                                         "torch pinned rule (power of two, no splitting; computed)", model[key],
+                                         "ratio"))
+            del live
     notes.append("churn (issue 16): a random half freed and allocated again at sizes scaled by U(0.5, 1.5), "
                  f"{rounds} rounds; the torch rows apply torch's CachingHostAllocator rule to the same sequence "
                  "(computed, not measured)")
