@@ -3,17 +3,15 @@
 
 #include <cstdlib>
 #include <stdexcept>
-#include <system_error>
-#include <thread>
 
 #include "csrc/core/host_pool/numa_binding.h"
+#include "csrc/core/host_pool/page_touch.h"
 #include "csrc/core/host_pool/size_classes.h"
 #include "csrc/core/transfer/serial_worker.h"
 
 namespace hipferry {
 namespace {
 
-constexpr std::size_t kPage = 4096;
 constexpr std::size_t kHugePage = std::size_t{2} << 20;
 
 class RuntimeUseEvent : public pool::UseEvent {
@@ -29,23 +27,6 @@ class RuntimeUseEvent : public pool::UseEvent {
   std::unique_ptr<rt::Event> event_;
   int device_;
 };
-
-void touch_pages(char* p, std::size_t bytes, int threads) {
-  const std::size_t pages = bytes / kPage;
-  const auto touch = [p](std::size_t first, std::size_t last) {
-    for (std::size_t i = first; i < last; ++i) p[i * kPage] = 0;
-  };
-  const std::size_t n = threads > 1 ? static_cast<std::size_t>(threads) : 1;
-  std::vector<std::thread> workers;
-  std::size_t started = 1;  // pieces [1, started) have a thread
-  try {
-    for (; started < n; ++started) workers.emplace_back(touch, pages * started / n, pages * (started + 1) / n);
-  } catch (const std::system_error&) {  // no more threads (ulimit, a container): this one does the rest
-  }
-  touch(0, pages / n);
-  for (std::size_t t = started; t < n; ++t) touch(pages * t / n, pages * (t + 1) / n);
-  for (auto& w : workers) w.join();
-}
 
 // Asks the runtime for a mapped segment's device address; gives the segment
 // back to `provider` when the runtime has none.
@@ -104,7 +85,7 @@ pool::HostSegment HostRegisterProvider::allocate(std::size_t bytes, int numa_nod
   if (p == nullptr) throw std::runtime_error("aligned_alloc: out of host memory for " + std::to_string(size) + " bytes");
   try {
     if (numa_node >= 0) pool::bind_to_node(p, size, numa_node);  // before the first touch places the pages
-    touch_pages(p, size, threads_);
+    pool::touch_pages(p, size, threads_);
     rt::host_register(p, size, flags_);
   } catch (...) {
     std::free(p);
