@@ -333,6 +333,27 @@ def test_a_write_before_a_skipped_step_reaches_the_master(engine):
     assert torch.equal(master.to(w.dtype).cpu(), w.detach().cpu()), "the master missed the write"
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_write_to_a_parameter_without_a_gradient_reaches_the_master(engine):
+    """p.data = t on a bfloat16 parameter that then has no gradient: step() does not step it,
+    and its float32 master follows the write all the same (found by the fuzzer with
+    p.data = p.data.t() and the gradient set to None: the master kept the old layout)."""
+    device, step_on = engine
+    model = make_model(device, torch.bfloat16)
+    opt = offload_adamw(model.parameters(), step_on, min_offload_numel=0)
+    train(model, opt, 1)
+    w = model.fc1.weight
+    w.data = w.data.flip(0)  # other values, same shape
+    opt.zero_grad()
+    backward(model, 1)
+    w.grad = None
+    before = opt.state[w]["step"].clone()
+    opt.step()
+    assert torch.equal(opt.state[w]["step"], before), "a parameter without a gradient was stepped"
+    master = opt.state[w]["master_param"]
+    assert torch.equal(master.to(w.dtype).cpu(), w.detach().cpu()), "the master missed the write"
+
+
 @pytest.mark.parametrize("engine", ENGINE_PER_DEVICE)
 def test_without_skip_nonfinite_the_counters_stay_zero(engine):
     device, step_on = engine

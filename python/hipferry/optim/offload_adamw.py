@@ -295,6 +295,12 @@ class OffloadAdamW(torch.optim.Optimizer):
                 self._drop_grad_copies()  # scaler.unscale_ changed the gradients in place, with no version bump
             else:
                 self._unscale([p for _, p in work], self.grad_scale)
+        # A parameter without a gradient is not stepped, but a write to it still reaches its
+        # master and host copy now, as after a skipped step: the state read after step() is current.
+        stepping = {id(p) for _, p in work}
+        for p, slot in self._slots.items():
+            if id(p) not in stepping:
+                self._reread_if_written(p, self.state[p], slot)
         self._wait_copies_back()  # the host buffers the last step sent back are written again below
         streamed: Dict[tuple, list] = {}
         host_gpu = []
