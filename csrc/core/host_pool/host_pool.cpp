@@ -431,22 +431,26 @@ void HostPool::free_block(Block* b, SegmentList& to_release) {
   }
 }
 
+void HostPool::take_free_segment(std::size_t index, SegmentList& out) {
+  Segment* s = segments_[index].get();
+  free_set(s->kind).erase(s->first);
+  free_bytes_ -= s->size;
+  if (s->kind != SegmentKind::kReserve) fully_free_bytes_ -= s->size;
+  count_segment(*s, /*added=*/false);
+  ++stats_.system_frees;
+  delete s->first;
+  s->first = nullptr;
+  out.push_back(std::move(segments_[index]));
+  segments_[index] = std::move(segments_.back());
+  segments_.pop_back();
+}
+
 void HostPool::collect_free_segments(std::size_t keep_cached, bool include_reserve, SegmentList& out) {
   for (std::size_t i = 0; i < segments_.size();) {
-    Segment* s = segments_[i].get();
-    const bool fully_free = s->first->state == BlockState::kFree && s->first->size == s->size;
-    const bool reserve = s->kind == SegmentKind::kReserve;
-    if (fully_free && (reserve ? include_reserve : fully_free_bytes_ > keep_cached)) {
-      free_set(s->kind).erase(s->first);
-      free_bytes_ -= s->size;
-      if (!reserve) fully_free_bytes_ -= s->size;
-      count_segment(*s, /*added=*/false);
-      ++stats_.system_frees;
-      delete s->first;
-      s->first = nullptr;
-      out.push_back(std::move(segments_[i]));
-      segments_[i] = std::move(segments_.back());
-      segments_.pop_back();
+    const Segment& s = *segments_[i];
+    const bool reserve = s.kind == SegmentKind::kReserve;
+    if (fully_free(s) && (reserve ? include_reserve : fully_free_bytes_ > keep_cached)) {
+      take_free_segment(i, out);
     } else {
       ++i;
     }
@@ -465,8 +469,7 @@ void HostPool::collect_for_growth(std::size_t bytes, std::size_t segment_bytes, 
   std::size_t cached = fully_free_bytes_;
   std::vector<Segment*> candidates;
   for (const auto& s : segments_) {
-    if (s->kind != SegmentKind::kReserve && s->first->state == BlockState::kFree && s->first->size == s->size)
-      candidates.push_back(s.get());
+    if (s->kind != SegmentKind::kReserve && fully_free(*s)) candidates.push_back(s.get());
   }
   std::sort(candidates.begin(), candidates.end(), [](const Segment* a, const Segment* b) { return a->size > b->size; });
   std::vector<Segment*> chosen;
@@ -477,18 +480,9 @@ void HostPool::collect_for_growth(std::size_t bytes, std::size_t segment_bytes, 
     cached -= c->size;
   }
   for (Segment* c : chosen) {
-    auto it = std::find_if(segments_.begin(), segments_.end(), [c](const auto& p) { return p.get() == c; });
-    free_set(c->kind).erase(c->first);
-    free_bytes_ -= c->size;
-    fully_free_bytes_ -= c->size;
-    count_segment(*c, /*added=*/false);
-    ++stats_.system_frees;
+    const auto it = std::find_if(segments_.begin(), segments_.end(), [c](const auto& p) { return p.get() == c; });
+    take_free_segment(static_cast<std::size_t>(it - segments_.begin()), out);
     ++stats_.growth_releases;
-    delete c->first;
-    c->first = nullptr;
-    out.push_back(std::move(*it));
-    *it = std::move(segments_.back());
-    segments_.pop_back();
   }
 }
 

@@ -228,7 +228,10 @@ class HostPool {
   Allocation hand_out(Block* block, std::size_t size, std::size_t requested);
   void free_block(Block* block, SegmentList& to_release);
   void merge_with_next(Block* block);  // both free and in their set
-  void detach_segment(Segment* segment);
+  static bool fully_free(const Segment& s) { return s.first->state == BlockState::kFree && s.first->size == s.size; }
+  // Moves the fully free segment segments_[index] out to `out`, its block
+  // and bytes out of every count (the provider is called later, unlocked).
+  void take_free_segment(std::size_t index, SegmentList& out);
   void collect_free_segments(std::size_t keep_cached, bool include_reserve, SegmentList& out);
   // Takes out the cached fully free segments a new segment of `segment_bytes`
   // (for a request of `bytes`) must give back to stay within growth_limit.
