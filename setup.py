@@ -2,6 +2,8 @@
 
     pip install --no-build-isolation .        # into the environment's torch
     pip install --no-build-isolation -e .     # editable (development)
+    pip wheel --no-build-isolation --no-deps -w dist .   # a wheel (dist/hipferry-*.whl)
+    python -m build --sdist --no-isolation    # a source distribution (dist/hipferry-*.tar.gz)
 
 Environment:
     HIPFERRY_TARGET      auto (default: follow torch) | rocm | cuda | cpu
@@ -14,6 +16,7 @@ Environment:
     MAX_JOBS             parallel compile jobs
 """
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +25,8 @@ from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
+# One version, in the package (hipferry.__version__).
+VERSION = re.search(r'^__version__ = "([^"]+)"', (ROOT / "python/hipferry/__init__.py").read_text(), re.M).group(1)
 
 
 def default_build_dir() -> Path:
@@ -64,14 +69,18 @@ def _have(program: str) -> bool:
 
 setup(
     name="hipferry",
-    version="0.1.0",
+    version=VERSION,
     description="Overlapped host<->device data movement for PyTorch on ROCm, CUDA and CPU",
     packages=find_packages("python"),
     package_dir={"": "python"},
     ext_modules=[CMakeExtension("hipferry._C")],
     cmdclass={"build_ext": CMakeBuild},
     python_requires=">=3.9",
-    install_requires=["torch>=2.4"],
+    # torch without a version: installing hipferry never replaces the torch in
+    # the environment (a pin would make pip swap a ROCm torch for PyPI's CUDA
+    # one). Which torch releases this build runs under is checked at import,
+    # from the build record (hipferry/torch_compat.py), in one sentence.
+    install_requires=["torch"],
     extras_require={"bench": ["matplotlib"], "test": ["pytest", "numpy", "expecttest"]},
     zip_safe=False,
 )

@@ -31,6 +31,7 @@ if(HIPFERRY_RESOLVED_TARGET STREQUAL "rocm")
   # Debian installs hip-config.cmake under the multiarch dir; ROCm under /opt/rocm.
   find_package(hip REQUIRED CONFIG PATHS /opt/rocm /usr/lib/${CMAKE_LIBRARY_ARCHITECTURE}/cmake/hip)
   set(HIPFERRY_GPU_ARCHITECTURES "${_archs}")
+  set(HIPFERRY_RUNTIME_MAJOR "${hip_VERSION_MAJOR}")  # the HIP major torch must use too (import check)
   # ROCm's own Clang finds the HIP headers and device libraries by itself; a
   # distribution Clang (Debian's) is told where they are, as hipcc would.
   execute_process(COMMAND hipconfig --rocmpath OUTPUT_VARIABLE _rocm_path
@@ -96,6 +97,7 @@ if(HIPFERRY_RESOLVED_TARGET STREQUAL "cuda")
   set(CMAKE_CUDA_STANDARD_REQUIRED ON)
   find_package(CUDAToolkit REQUIRED)
   set(HIPFERRY_GPU_ARCHITECTURES "${_archs}")
+  set(HIPFERRY_RUNTIME_MAJOR "${CUDAToolkit_VERSION_MAJOR}")  # the CUDA major torch must use too (import check)
   function(hipferry_gpu_sources target)
     set_source_files_properties(${ARGN} PROPERTIES LANGUAGE CUDA)
     target_sources(${target} PRIVATE ${ARGN})
@@ -107,5 +109,6 @@ if(HIPFERRY_RESOLVED_TARGET STREQUAL "cuda")
   endfunction()
 elseif(HIPFERRY_RESOLVED_TARGET STREQUAL "cpu")
   set(HIPFERRY_GPU_ARCHITECTURES "")
+  set(HIPFERRY_RUNTIME_MAJOR "")
 endif()
 message(STATUS "hipferry: GPU architectures: ${HIPFERRY_GPU_ARCHITECTURES}")

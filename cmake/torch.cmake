@@ -88,4 +88,22 @@ if(CMAKE_SYSTEM_NAME STREQUAL "Linux")
 endif()
 if(HIPFERRY_OUTPUT_DIR)  # setup.py puts the module where setuptools packages it
   set_target_properties(_C PROPERTIES LIBRARY_OUTPUT_DIRECTORY "${HIPFERRY_OUTPUT_DIR}")
+  set(_build_config_dir "${HIPFERRY_OUTPUT_DIR}")
+else()
+  set(_build_config_dir "${CMAKE_CURRENT_BINARY_DIR}")
 endif()
+
+# The torch releases the module loads under. It uses torch's C++ ABI, which
+# changes with every minor release, so only the minor it was built against.
+# The import check, `doctor` and the README read this record; it travels in
+# the wheel next to the module.
+set(HIPFERRY_TORCH_ABI "libtorch C++ ABI of torch ${HIPFERRY_TORCH_VERSION} (not stable across minor releases)")
+string(REGEX MATCH "^[0-9]+\\.[0-9]+" HIPFERRY_TORCH_OLDEST "${HIPFERRY_TORCH_VERSION}")
+set(HIPFERRY_TORCH_NEWEST "${HIPFERRY_TORCH_OLDEST}")
+set(HIPFERRY_TORCH_NEWER_LOADS False)
+if(HIPFERRY_RUNTIME_MAJOR STREQUAL "")
+  set(HIPFERRY_RUNTIME_MAJOR_PY None)
+else()
+  set(HIPFERRY_RUNTIME_MAJOR_PY "${HIPFERRY_RUNTIME_MAJOR}")
+endif()
+configure_file("${CMAKE_CURRENT_SOURCE_DIR}/cmake/build_config.py.in" "${_build_config_dir}/_build_config.py" @ONLY)

@@ -14,9 +14,11 @@
 #                              the CPU-only build (laptop without a GPU toolchain)
 #                              with the Python tests against it,
 #                              the ASan+UBSan build of core and runtime, and the
-#                              multi-threaded core tests under ThreadSanitizer
-#   scripts/dev.sh deps | build | cpu-variants | check-gpu-builds | check-cpu-build | sanitize | tsan
-#                            the single steps
+#                              multi-threaded core tests under ThreadSanitizer,
+#                              and the same wheel in a virtual environment per older torch
+#                              release (HIPFERRY_OLDER_TORCH, default "2.14.1 2.13.0")
+#   scripts/dev.sh deps | build | older-torch | cpu-variants | check-gpu-builds | check-cpu-build | sanitize | tsan
+#                            the single steps (older-torch needs the wheel build made in dist/)
 #   scripts/dev.sh gpu-wheels  wheels of the test dependencies beyond torch (transformers, peft,
 #                            accelerate, expecttest and theirs) into .whl/, for a GPU machine
 #                            without network (scripts/gpu_check.sh installs them; carry .whl)
@@ -47,11 +49,66 @@ deps() {
   quiet_pip $PY -m pip install -q -r requirements-dev.txt
 }
 
-build() {
-  step "build and install hipferry (CMake tree: $BUILD_DIR)"
+# One wheel, built once (dist/), is what every environment below installs.
+build_wheel() {
+  step "build the hipferry wheel (CMake tree: $BUILD_DIR)"
+  # A hipferry already installed would satisfy the older-torch environments'
+  # install (they see this site-packages): the wheel goes in after them.
+  quiet_pip $PY -m pip uninstall -y -q hipferry
+  rm -f dist/hipferry-*.whl
   HIPFERRY_BUILD_DIR="$BUILD_DIR" HIPFERRY_BUILD_TESTS=ON MAX_JOBS=$JOBS \
-    quiet_pip $PY -m pip install --no-build-isolation --no-deps -q .
+    quiet_pip $PY -m pip wheel --no-build-isolation --no-deps -q -w dist .
+  sha256sum dist/hipferry-*.whl
+}
+
+install_wheel() {
+  step "install the wheel into this environment"
+  quiet_pip $PY -m pip install --no-deps --force-reinstall -q dist/hipferry-*.whl
   $PY -c "import hipferry; print('installed hipferry', hipferry.__version__, hipferry.build_info())"
+}
+
+build() { build_wheel; install_wheel; }
+
+# The same wheel in a second virtual environment per older torch release. The
+# torch wheels (about 500 MiB each) are kept in a cache the next run reuses.
+OLDER_TORCH=${HIPFERRY_OLDER_TORCH:-2.14.1 2.13.0}
+# Under an older torch: the ops, the pool, the transfers, the optimizer against
+# torch's own optimizer tests, and every use of torch's private API.
+OLDER_TORCH_TESTS=(tests/python/test_torch_compat.py tests/python/test_copy_cast.py tests/python/test_pool.py
+                   tests/python/test_transfer_values.py tests/python/test_transfer_errors.py
+                   tests/python/test_transfer_lifetime.py tests/python/test_adamw_step.py
+                   tests/python/test_offload_adamw.py tests/python/test_offload_adamw_torch_parity.py
+                   tests/python/test_offload_layers.py tests/python/test_torch_private.py tests/python/test_doctor.py)
+TORCH_WHEEL_CACHE=${HIPFERRY_TORCH_WHEEL_CACHE:-$HOME/.cache/hipferry-ci/torch-wheels}
+older_torch() {
+  local wheel
+  wheel=$(ls dist/hipferry-*.whl)
+  for v in $OLDER_TORCH; do
+    step "the same wheel ($(basename "$wheel")) under torch $v, in a virtual environment of its own"
+    local cached
+    cached=$(ls "$TORCH_WHEEL_CACHE"/torch-"$v"-"$PYTAG"-*.whl 2>/dev/null | head -1 || true)
+    if [[ -z $cached ]]; then
+      mkdir -p "$TORCH_WHEEL_CACHE"
+      echo "downloading torch $v into $TORCH_WHEEL_CACHE (once)"
+      quiet_pip $PY -m pip download -q --no-deps --only-binary=:all: "torch==$v" -d "$TORCH_WHEEL_CACHE"
+      cached=$(ls "$TORCH_WHEEL_CACHE"/torch-"$v"-"$PYTAG"-*.whl | head -1)
+    fi
+    # The venv sees this environment's packages (the test tools, the CUDA
+    # libraries torch loads); its own torch comes first on sys.path.
+    local venv=build/venv-torch-$v
+    rm -rf "$venv"
+    $PY -m venv --system-site-packages "$venv"
+    quiet_pip "$venv/bin/python" -m pip install -q --no-deps --no-index "$cached"
+    "$venv/bin/python" -c "import torch; assert torch.__version__.startswith('$v'), torch.__version__"
+    # With its dependencies and no index: the install fails if it needed
+    # another torch, so this proves it never pulls one.
+    quiet_pip "$venv/bin/python" -m pip install -q --no-index "$wheel"
+    if "$venv/bin/python" scripts/torch_support.py; then
+      "$venv/bin/python" -m pytest -q -p no:cacheprovider "${OLDER_TORCH_TESTS[@]}"
+    else
+      "$venv/bin/python" scripts/torch_support.py --expect-refusal
+    fi
+  done
 }
 
 # Machines of this kind differ (AVX-512 on some, AVX2 only on others) and torch
@@ -130,6 +187,7 @@ run_tests() {
 case "${1:-}" in
   deps) deps ;;
   build) build ;;
+  older-torch) older_torch ;;
   cpu-variants) cpu_variants ;;
   check-gpu-builds) check_gpu_builds ;;
   check-cpu-build) check_cpu_build ;;
@@ -143,7 +201,7 @@ case "${1:-}" in
     ;;
   test)
     start=$(date +%s)
-    deps; build; run_tests; cpu_variants; check_gpu_builds; check_cpu_build; sanitize; tsan
+    deps; build_wheel; older_torch; install_wheel; run_tests; cpu_variants; check_gpu_builds; check_cpu_build; sanitize; tsan
     step "all tests passed in $(( $(date +%s) - start )) s"
     ;;
   example)
@@ -151,5 +209,5 @@ case "${1:-}" in
     step "examples/finetune.py (OffloadAdamW vs torch.optim.AdamW)"
     $PY examples/finetune.py
     ;;
-  *) sed -n '2,14p' "$0"; exit 2 ;;
+  *) sed -n '2,23p' "$0"; exit 2 ;;
 esac

@@ -2,9 +2,15 @@
 
 Importing hipferry registers its ops under ``torch.ops.hipferry``.
 """
+__version__ = "0.1.0"
+
 import torch  # noqa: F401  (loads libc10/libtorch before the extension)
 
-from . import _C  # noqa: F401  (registers torch.ops.hipferry.*)
+from . import torch_compat
+
+# Before the module loads: a torch it cannot run under fails here, in one sentence.
+torch_compat.check_torch(torch_compat.load_build_record())
+from . import _C  # noqa: F401,E402  (registers torch.ops.hipferry.*)
 
 _C.cpu_isa()  # a bad HIPFERRY_CPU_ISA fails here, in one sentence, not inside a later op
 from . import optim  # noqa: F401  (hipferry.optim.OffloadAdamW)
@@ -19,4 +25,3 @@ __all__ = ["copy_cast_", "build_info", "device_count", "device_info", "PinnedPoo
            "configure_default_pool", "pin", "prefetch", "offload", "Transfer", "transfer_stats",
            "configure_transfers", "offload_layers", "LayerOffload", "offload_activations",
            "NothingOffloadedWarning", "trace", "trace_region", "Trace", "optim", "__version__"]
-__version__ = "0.1.0"

@@ -219,6 +219,7 @@ def run(quick: bool = False) -> int:
     w("hipferry doctor\n")
     w(f"  hipferry        {sys.modules['hipferry'].__version__}, built for {build['target']}"
       f" ({build['architectures'] or 'no GPU architectures'}) against torch {build['torch_version_built_against']}\n")
+    w(f"  torch range     {build['torch_supported']}; ABI: {build['torch_abi']}\n")
     w(f"  runtime         version {build['runtime_version']}, driver {build['driver_version']}\n")
     w(f"  torch           {torch.__version__} ({flavor}"
       f"{' ' + (torch.version.hip or torch.version.cuda) if flavor != 'cpu' else ''}), "

@@ -3,13 +3,15 @@ from typing import Any, Dict
 
 import torch
 
-from . import _C
+from . import _C, torch_compat
 
 
 def build_info() -> Dict[str, Any]:
     """The build target ('rocm', 'cuda' or 'cpu'), its GPU architectures, runtime
-    and driver versions, and the torch version it was built against."""
-    return dict(_C.build_info())
+    and driver versions, the torch version it was built against, the torch
+    releases it runs under ('torch_supported') and the ABI it uses ('torch_abi')."""
+    record = torch_compat.load_build_record()
+    return dict(_C.build_info(), torch_supported=torch_compat.supported_range(record), torch_abi=record.torch_abi)
 
 
 def device_count() -> int:
