@@ -97,7 +97,7 @@ endif()
 # changes with every minor release, so only the minor it was built against.
 # The import check, `doctor` and the README read this record; it travels in
 # the wheel next to the module.
-set(HIPFERRY_TORCH_ABI "libtorch C++ ABI of torch ${HIPFERRY_TORCH_VERSION} (not stable across minor releases)")
+set(HIPFERRY_TORCH_ABI "libtorch C++ ABI of torch ${HIPFERRY_TORCH_VERSION}, which changes with every minor release")
 string(REGEX MATCH "^[0-9]+\\.[0-9]+" HIPFERRY_TORCH_OLDEST "${HIPFERRY_TORCH_VERSION}")
 set(HIPFERRY_TORCH_NEWEST "${HIPFERRY_TORCH_OLDEST}")
 set(HIPFERRY_TORCH_NEWER_LOADS False)

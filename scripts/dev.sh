@@ -99,10 +99,16 @@ older_torch() {
     rm -rf "$venv"
     $PY -m venv --system-site-packages "$venv"
     quiet_pip "$venv/bin/python" -m pip install -q --no-deps --no-index "$cached"
+    # torch loads its CUDA libraries from site-packages/nvidia next to itself
+    # (the older torch's libcufile is not found through sys.path otherwise).
+    local site
+    site=$($PY -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    [[ -d $site/nvidia ]] && ln -sfn "$site/nvidia" "$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/nvidia"
     "$venv/bin/python" -c "import torch; assert torch.__version__.startswith('$v'), torch.__version__"
-    # With its dependencies and no index: the install fails if it needed
-    # another torch, so this proves it never pulls one.
-    quiet_pip "$venv/bin/python" -m pip install -q --no-index "$wheel"
+    # pip installs a wheel's dependencies only where what is installed does
+    # not satisfy them: every requirement met here means no other torch is pulled.
+    "$venv/bin/python" scripts/torch_support.py --requirements-met "$wheel"
+    quiet_pip "$venv/bin/python" -m pip install -q --no-deps --no-index "$wheel"
     if "$venv/bin/python" scripts/torch_support.py; then
       "$venv/bin/python" -m pytest -q -p no:cacheprovider "${OLDER_TORCH_TESTS[@]}"
     else
