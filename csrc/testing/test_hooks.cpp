@@ -3,7 +3,6 @@
 // HIPFERRY_TEST_HOOKS, on with HIPFERRY_BUILD_TESTS); a production build has
 // none of them, and code that uses them checks for hipferry._C._testing.
 #include <ATen/ops/empty.h>
-#include <c10/util/Exception.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -16,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "csrc/core/errors.h"
 #include "csrc/core/host_pool/host_pool.h"
 #include "csrc/torch/pinned_pool.h"
 #include "csrc/torch/python_errors.h"
@@ -62,11 +62,22 @@ std::vector<std::int64_t> bench_alloc_free(const std::string& kind, std::int64_t
 
 // Queues a sleep on the transfer worker: the transfers started next stay in flight.
 void transfer_worker_sleep(double milliseconds) {
-  TORCH_CHECK_VALUE(milliseconds >= 0 && milliseconds <= 60000,
-                    "hipferry._C._testing.transfer_worker_sleep: ms must be in [0, 60000], got ", milliseconds);
+  HF_CHECK_VALUE(milliseconds >= 0 && milliseconds <= 60000,
+                 "hipferry._C._testing.transfer_worker_sleep: ms must be in [0, 60000], got ", milliseconds);
   transfer_worker().submit([milliseconds] {
     std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(milliseconds));
   });
+}
+
+// Throws hipferry's error of `kind` through its check macro: translate_errors'
+// clauses for types no input reaches yet (TypeError, OutOfMemory) get a test.
+void raise_error(const std::string& kind, const std::string& message) {
+  HF_CHECK_VALUE(kind != "value", message);
+  HF_CHECK_TYPE(kind != "type", message);
+  HF_CHECK_OOM(kind != "oom", message);
+  HF_CHECK(kind != "runtime", message);
+  HF_CHECK_VALUE(false, "hipferry._C._testing.raise_error: kind must be value, type, oom or runtime, got '", kind,
+                 "'");
 }
 
 }  // namespace
@@ -75,6 +86,11 @@ void bind_test_hooks(py::module_& m) {
   py::module_ t = m.def_submodule("_testing", "Test and benchmark hooks (built with the tests only).");
   t.def("transfer_worker_sleep", [](double ms) { translate_errors([&] { transfer_worker_sleep(ms); }); },
         py::arg("ms"));
+  // GIL released, as in the transfer bindings: the OutOfMemory clause must take it back.
+  t.def("raise_error", [](const std::string& kind, const std::string& message) {
+          translate_errors([&] { raise_error(kind, message); });
+        },
+        py::arg("kind"), py::arg("message"), py::call_guard<py::gil_scoped_release>());
   t.def("pool_bench_alloc_free", &bench_alloc_free, py::arg("kind"), py::arg("pool"), py::arg("bytes"),
         py::arg("iterations"));
 }

@@ -4,12 +4,12 @@
 // current stream. Both run optim::adamw_update.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <c10/util/Exception.h>
 #include <pybind11/pybind11.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <optional>
 
+#include "csrc/core/errors.h"
 #include "hip/adamw_kernel.h"
 #include "csrc/core/optim/adamw_cpu.h"
 #include "csrc/torch/copy_cast_checks.h"
@@ -22,31 +22,31 @@ namespace hipferry {
 namespace {
 
 void check_state(const at::Tensor& t, const char* name, const at::Tensor& param, bool float32) {
-  TORCH_CHECK_VALUE(t.layout() == at::kStrided && t.is_contiguous(), "hipferry._adamw_step_: ", name,
-                    " must be a contiguous dense tensor");
-  TORCH_CHECK_VALUE(t.numel() == param.numel(), "hipferry._adamw_step_: ", name, " has ", t.numel(),
-                    " elements but param has ", param.numel(), "; expected equal sizes");
-  TORCH_CHECK_VALUE(t.device() == param.device(), "hipferry._adamw_step_: ", name, " is on ", t.device(),
-                    " but param is on ", param.device(), "; expected one device");
+  HF_CHECK_VALUE(t.layout() == at::kStrided && t.is_contiguous(), "hipferry._adamw_step_: ", name,
+                 " must be a contiguous dense tensor");
+  HF_CHECK_VALUE(t.numel() == param.numel(), "hipferry._adamw_step_: ", name, " has ", t.numel(),
+                 " elements but param has ", param.numel(), "; expected equal sizes");
+  HF_CHECK_VALUE(t.device() == param.device(), "hipferry._adamw_step_: ", name, " is on ", t.device(),
+                 " but param is on ", param.device(), "; expected one device");
   const auto st = t.scalar_type();
-  TORCH_CHECK_VALUE(float32 ? st == at::kFloat : (st == at::kFloat || st == at::kHalf || st == at::kBFloat16),
-                    "hipferry._adamw_step_: ", name, " has dtype ", st, "; expected ",
-                    float32 ? "float32" : "float32, float16 or bfloat16");
+  HF_CHECK_VALUE(float32 ? st == at::kFloat : (st == at::kFloat || st == at::kHalf || st == at::kBFloat16),
+                 "hipferry._adamw_step_: ", name, " has dtype ", st, "; expected ",
+                 float32 ? "float32" : "float32, float16 or bfloat16");
 }
 
 void adamw_step(at::Tensor param, const at::Tensor& grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
                 std::optional<at::Tensor> max_exp_avg_sq, std::optional<at::Tensor> param_out, std::int64_t step,
                 double lr, double beta1, double beta2, double eps, double weight_decay, bool amsgrad,
                 bool maximize) {
-  TORCH_CHECK_VALUE(step >= 1, "hipferry._adamw_step_: step must be >= 1, got ", step);
-  TORCH_CHECK_VALUE(param.is_cpu() || param.is_cuda(), "hipferry._adamw_step_: param is on ", param.device(),
-                    "; expected the CPU or a GPU");
+  HF_CHECK_VALUE(step >= 1, "hipferry._adamw_step_: step must be >= 1, got ", step);
+  HF_CHECK_VALUE(param.is_cpu() || param.is_cuda(), "hipferry._adamw_step_: param is on ", param.device(),
+                 "; expected the CPU or a GPU");
   check_state(param, "param", param, true);
   check_state(grad, "grad", param, false);
   check_state(exp_avg, "exp_avg", param, true);
   check_state(exp_avg_sq, "exp_avg_sq", param, true);
-  TORCH_CHECK_VALUE(!amsgrad || max_exp_avg_sq.has_value(),
-                    "hipferry._adamw_step_: amsgrad=True needs max_exp_avg_sq");
+  HF_CHECK_VALUE(!amsgrad || max_exp_avg_sq.has_value(),
+                 "hipferry._adamw_step_: amsgrad=True needs max_exp_avg_sq");
   if (amsgrad) check_state(*max_exp_avg_sq, "max_exp_avg_sq", param, true);
   if (param_out) check_state(*param_out, "param_out", param, false);
 

@@ -3,7 +3,6 @@
 #include "csrc/torch/adamw_streamer.h"
 
 #include <ATen/ATen.h>
-#include <c10/util/Exception.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
@@ -12,6 +11,7 @@
 #include <optional>
 #include <string>
 
+#include "csrc/core/errors.h"
 #include "hip/adamw_kernel.h"
 #include "csrc/core/optim/adamw_cpu.h"
 #include "csrc/core/schedule/host_streams.h"
@@ -33,35 +33,35 @@ std::unique_ptr<schedule::Stream> copy_stream(int device, const char* direction)
 }
 
 void check_host_state(const at::Tensor& t, const char* name, std::size_t index, std::int64_t numel) {
-  TORCH_CHECK_VALUE(t.is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == numel,
-                    "AdamWStreamer.step: ", name, "[", index, "] must be a contiguous float32 host tensor with ",
-                    numel, " elements; got ", t.scalar_type(), " on ", t.device(), " with ", t.numel(),
-                    " elements");
+  HF_CHECK_VALUE(t.is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == numel,
+                 "AdamWStreamer.step: ", name, "[", index, "] must be a contiguous float32 host tensor with ",
+                 numel, " elements; got ", t.scalar_type(), " on ", t.device(), " with ", t.numel(),
+                 " elements");
 }
 
 void check_param(const StreamedParam& p, std::size_t i, int device, bool amsgrad) {
   const at::Tensor& param = p.param;
   const bool placed = device < 0 ? param.is_cpu() : param.is_cuda() && param.device().index() == device;
-  TORCH_CHECK_VALUE(placed && param.is_contiguous(), "AdamWStreamer.step: params[", i,
-                    "] must be a contiguous tensor on ", device < 0 ? std::string("the CPU (host mode)")
-                                                                    : "cuda:" + std::to_string(device),
-                    "; got ", param.device());
+  HF_CHECK_VALUE(placed && param.is_contiguous(), "AdamWStreamer.step: params[", i,
+                 "] must be a contiguous tensor on ", device < 0 ? std::string("the CPU (host mode)")
+                                                                 : "cuda:" + std::to_string(device),
+                 "; got ", param.device());
   const bool low = param.scalar_type() == at::kHalf || param.scalar_type() == at::kBFloat16;
-  TORCH_CHECK_VALUE(low || param.scalar_type() == at::kFloat, "AdamWStreamer.step: params[", i, "] has dtype ",
-                    param.scalar_type(), "; expected float32, float16 or bfloat16");
-  TORCH_CHECK_VALUE(low == p.master.has_value(), "AdamWStreamer.step: params[", i, "] is ", param.scalar_type(),
-                    low ? " and needs" : " and must not have", " a float32 master");
+  HF_CHECK_VALUE(low || param.scalar_type() == at::kFloat, "AdamWStreamer.step: params[", i, "] has dtype ",
+                 param.scalar_type(), "; expected float32, float16 or bfloat16");
+  HF_CHECK_VALUE(low == p.master.has_value(), "AdamWStreamer.step: params[", i, "] is ", param.scalar_type(),
+                 low ? " and needs" : " and must not have", " a float32 master");
   const auto gt = p.grad.scalar_type();
-  TORCH_CHECK_VALUE(p.grad.device() == param.device() && p.grad.is_contiguous() &&
-                        p.grad.numel() == param.numel() &&
-                        (gt == at::kFloat || gt == at::kHalf || gt == at::kBFloat16),
-                    "AdamWStreamer.step: grads[", i, "] must be a contiguous float tensor on ", param.device(),
-                    " with ", param.numel(), " elements");
+  HF_CHECK_VALUE(p.grad.device() == param.device() && p.grad.is_contiguous() &&
+                     p.grad.numel() == param.numel() &&
+                     (gt == at::kFloat || gt == at::kHalf || gt == at::kBFloat16),
+                 "AdamWStreamer.step: grads[", i, "] must be a contiguous float tensor on ", param.device(),
+                 " with ", param.numel(), " elements");
   if (p.master) check_host_state(*p.master, "masters", i, param.numel());
   check_host_state(p.exp_avg, "exp_avgs", i, param.numel());
   check_host_state(p.exp_avg_sq, "exp_avg_sqs", i, param.numel());
-  TORCH_CHECK_VALUE(amsgrad == p.max_exp_avg_sq.has_value(), "AdamWStreamer.step: max_exp_avg_sqs[", i, "] ",
-                    amsgrad ? "is needed with amsgrad" : "must be None without amsgrad");
+  HF_CHECK_VALUE(amsgrad == p.max_exp_avg_sq.has_value(), "AdamWStreamer.step: max_exp_avg_sqs[", i, "] ",
+                 amsgrad ? "is needed with amsgrad" : "must be None without amsgrad");
   if (p.max_exp_avg_sq) check_host_state(*p.max_exp_avg_sq, "max_exp_avg_sqs", i, param.numel());
 }
 
@@ -152,10 +152,10 @@ void bind_adamw_streamer(py::module_& m) {
                             "step_on='gpu' engine).")
       .def(py::init([](int device, std::int64_t chunk_numel, int slots) {
              return translate_errors([&] {
-               TORCH_CHECK_VALUE(device >= -1, "AdamWStreamer: device must be a GPU index or -1 (host mode), got ",
-                                 device);
-               TORCH_CHECK_VALUE(chunk_numel >= 1, "AdamWStreamer: chunk_numel must be >= 1, got ", chunk_numel);
-               TORCH_CHECK_VALUE(slots >= 2, "AdamWStreamer: slots must be >= 2, got ", slots);
+               HF_CHECK_VALUE(device >= -1, "AdamWStreamer: device must be a GPU index or -1 (host mode), got ",
+                              device);
+               HF_CHECK_VALUE(chunk_numel >= 1, "AdamWStreamer: chunk_numel must be >= 1, got ", chunk_numel);
+               HF_CHECK_VALUE(slots >= 2, "AdamWStreamer: slots must be >= 2, got ", slots);
                return std::make_unique<AdamWStreamer>(device, chunk_numel, slots);
              });
            }),
@@ -169,10 +169,10 @@ void bind_adamw_streamer(py::module_& m) {
              bool maximize) {
             translate_errors([&] {
               const std::size_t n = params.size();
-              TORCH_CHECK_VALUE(grads.size() == n && masters.size() == n && exp_avgs.size() == n &&
-                                    exp_avg_sqs.size() == n && maxes.size() == n,
-                                "AdamWStreamer.step: every list must have one entry per parameter (", n, ")");
-              TORCH_CHECK_VALUE(step >= 1, "AdamWStreamer.step: step must be >= 1, got ", step);
+              HF_CHECK_VALUE(grads.size() == n && masters.size() == n && exp_avgs.size() == n &&
+                                 exp_avg_sqs.size() == n && maxes.size() == n,
+                             "AdamWStreamer.step: every list must have one entry per parameter (", n, ")");
+              HF_CHECK_VALUE(step >= 1, "AdamWStreamer.step: step must be >= 1, got ", step);
               std::vector<StreamedParam> ps(n);
               for (std::size_t i = 0; i < n; ++i)
                 ps[i] = StreamedParam{params[i], grads[i], masters[i], exp_avgs[i], exp_avg_sqs[i], maxes[i]};

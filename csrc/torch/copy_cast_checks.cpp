@@ -5,6 +5,10 @@
 
 #include "hip/runtime.h"
 
+// These checks run in the copy_cast_ op kernels, so they stay c10 errors (see
+// pool_empty in pinned_pool.cpp); LayerCopier, AdamW and the transfer engine
+// call them under translate_errors, which maps c10 errors too.
+
 namespace hipferry {
 namespace {
 

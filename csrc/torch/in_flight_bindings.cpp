@@ -8,6 +8,7 @@
 
 #include <memory>
 
+#include "csrc/core/errors.h"
 #include "csrc/core/schedule/in_flight_window.h"
 #include "csrc/torch/python_errors.h"
 #include "csrc/torch/transfer_engine.h"
@@ -39,7 +40,7 @@ void bind_in_flight_window(py::module_& m) {
                                        "A bound on the bytes that transfers in flight may hold (settled oldest first).")
       .def(py::init([](std::size_t max_bytes) {
              return translate_errors([&] {
-               TORCH_CHECK_VALUE(max_bytes > 0, "InFlightWindow: max_bytes must be > 0, got 0");
+               HF_CHECK_VALUE(max_bytes > 0, "InFlightWindow: max_bytes must be > 0, got 0");
                return std::make_unique<schedule::InFlightWindow>(max_bytes);
              });
            }),

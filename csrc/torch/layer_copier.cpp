@@ -13,7 +13,6 @@
 // track, and a failed copy fails every later wait() (the scheduler's rule).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <c10/util/Exception.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
@@ -23,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "csrc/core/errors.h"
 #include "csrc/core/copy_cast_cpu.h"
 #include "csrc/core/schedule/host_streams.h"
 #include "csrc/core/transfer/serial_worker.h"
@@ -68,16 +68,16 @@ class LayerCopier {
   }
 
   std::shared_ptr<CopyTicket> start(const std::vector<at::Tensor>& dsts, const std::vector<at::Tensor>& srcs) {
-    TORCH_CHECK_VALUE(dsts.size() == srcs.size(), "LayerCopier.start: ", dsts.size(), " destinations for ",
-                      srcs.size(), " sources; expected one each");
+    HF_CHECK_VALUE(dsts.size() == srcs.size(), "LayerCopier.start: ", dsts.size(), " destinations for ",
+                   srcs.size(), " sources; expected one each");
     const bool gpu = device_ >= 0;
     for (std::size_t i = 0; i < dsts.size(); ++i) {  // everything checked before anything is queued
       check_copy_cast_args(dsts[i], srcs[i]);
-      TORCH_CHECK_VALUE(gpu ? dsts[i].is_cuda() && dsts[i].device().index() == device_ : dsts[i].is_cpu(),
-                        "LayerCopier.start: destination ", i, " is on ", dsts[i].device(), "; expected ",
-                        gpu ? "cuda:" + std::to_string(device_) : std::string("the CPU"));
-      TORCH_CHECK_VALUE(srcs[i].is_cpu(), "LayerCopier.start: source ", i, " is on ", srcs[i].device(),
-                        "; expected host weights");
+      HF_CHECK_VALUE(gpu ? dsts[i].is_cuda() && dsts[i].device().index() == device_ : dsts[i].is_cpu(),
+                     "LayerCopier.start: destination ", i, " is on ", dsts[i].device(), "; expected ",
+                     gpu ? "cuda:" + std::to_string(device_) : std::string("the CPU"));
+      HF_CHECK_VALUE(srcs[i].is_cpu(), "LayerCopier.start: source ", i, " is on ", srcs[i].device(),
+                     "; expected host weights");
     }
     auto ticket = std::make_shared<CopyTicket>();
     std::vector<schedule::Work> work;
@@ -167,7 +167,7 @@ void bind_layer_copier(py::module_& m) {
   py::class_<LayerCopier>(m, "LayerCopier", "offload_layers' ring copies on a copy scheduler stream.")
       .def(py::init([](int device) {
              return translate_errors([&] {
-               TORCH_CHECK_VALUE(device >= -1, "LayerCopier: device must be a GPU index or -1 (the CPU), got ", device);
+               HF_CHECK_VALUE(device >= -1, "LayerCopier: device must be a GPU index or -1 (the CPU), got ", device);
                return std::make_unique<LayerCopier>(device);
              });
            }),

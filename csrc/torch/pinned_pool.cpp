@@ -10,6 +10,7 @@
 #include <mutex>
 #include <unordered_map>
 
+#include "csrc/core/errors.h"
 #include "csrc/torch/transfer_engine.h"
 #include "hip/pinned_memory.h"
 
@@ -61,8 +62,8 @@ std::int64_t create_pinned_pool(const PinnedPoolConfig& config) {
 std::shared_ptr<pool::HostPool> pinned_pool(std::int64_t id) {
   std::lock_guard<std::mutex> lock(registry_mutex);
   auto it = registry.find(id);
-  TORCH_CHECK(it != registry.end(), "hipferry: pinned pool ", id,
-              " does not exist (it was closed); expected an open PinnedPool");
+  HF_CHECK(it != registry.end(), "hipferry: pinned pool ", id,
+           " does not exist (it was closed); expected an open PinnedPool");
   return it->second;
 }
 
@@ -78,6 +79,10 @@ void destroy_pinned_pool(std::int64_t id) {
   pool->close();  // outside the registry lock: it releases memory
 }
 
+// An op kernel: its checks stay c10 errors, which torch's dispatcher binding
+// raises by type (c10::OutOfMemoryError as torch.OutOfMemoryError); a std
+// exception would arrive as RuntimeError. Direct C++ callers (start_transfer)
+// reach Python through translate_errors, which maps c10 errors the same way.
 at::Tensor pool_empty(std::int64_t pool_id, at::IntArrayRef sizes, at::ScalarType dtype, std::int64_t for_device) {
   TORCH_CHECK(for_device >= -1 && for_device < (std::int64_t{1} << 16), "hipferry.PinnedPool.empty: for_device ",
               for_device, " is not a device index; expected -1 (the current GPU) or an index >= 0");

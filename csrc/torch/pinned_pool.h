@@ -22,7 +22,7 @@ struct PinnedPoolConfig {
 
 // Creates a pool and returns its id. Throws pool::PoolError for bad options.
 std::int64_t create_pinned_pool(const PinnedPoolConfig& config);
-// The pool with this id; TORCH_CHECK fails naming the id if there is none.
+// The pool with this id; throws std::runtime_error naming the id if there is none.
 std::shared_ptr<pool::HostPool> pinned_pool(std::int64_t id);
 // Closes the pool and forgets the id; tensors from it stay valid.
 void destroy_pinned_pool(std::int64_t id);

@@ -8,13 +8,13 @@
 #include <ATen/ops/empty.h>
 #include <c10/core/TensorImpl.h>
 #include <c10/core/impl/COW.h>
-#include <c10/util/Exception.h>
 
 #include <atomic>
 #include <functional>
 #include <string>
 #include <utility>
 
+#include "csrc/core/errors.h"
 #include "csrc/torch/copy_cast_checks.h"
 #include "csrc/torch/current_stream.h"
 #include "csrc/torch/pinned_pool.h"
@@ -127,9 +127,9 @@ Transfer::~Transfer() {
 }
 
 void Transfer::check_same_process(const char* what) const {
-  TORCH_CHECK(generation_ == fork_generation(), "hipferry.Transfer.", what,
-              ": this transfer was started before the process forked; it did not run in this process "
-              "(start transfers in the process that uses them)");
+  HF_CHECK(generation_ == fork_generation(), "hipferry.Transfer.", what,
+           ": this transfer was started before the process forked; it did not run in this process "
+           "(start transfers in the process that uses them)");
 }
 
 void Transfer::sync_streams_quietly() const {
@@ -176,7 +176,7 @@ void Transfer::synchronize() {
   }
   if (!dropped.empty()) sync_streams_quietly();
   dropped.clear();
-  TORCH_CHECK(error.empty(), "hipferry.Transfer: the copy failed: ", error);
+  HF_CHECK(error.empty(), "hipferry.Transfer: the copy failed: ", error);
   if (completion_.event) completion_.event->synchronize();
 }
 
@@ -184,9 +184,9 @@ std::vector<at::Tensor> Transfer::wait() {
   check_same_process("wait");
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    TORCH_CHECK(state_ != State::kWaited,
-                "hipferry.Transfer.wait: this transfer was already waited on; wait() hands the results over "
-                "once (keep what the first call returned)");
+    HF_CHECK(state_ != State::kWaited,
+             "hipferry.Transfer.wait: this transfer was already waited on; wait() hands the results over "
+             "once (keep what the first call returned)");
   }
   // Pageable sources: the staging must have queued everything before the
   // completion event means anything.
@@ -195,9 +195,9 @@ std::vector<at::Tensor> Transfer::wait() {
   std::string error;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    TORCH_CHECK(state_ != State::kWaited,
-                "hipferry.Transfer.wait: this transfer was already waited on (by another thread); wait() hands "
-                "the results over once");
+    HF_CHECK(state_ != State::kWaited,
+             "hipferry.Transfer.wait: this transfer was already waited on (by another thread); wait() hands "
+             "the results over once");
     settle_locked(holdings);
     if (state_ == State::kFailed) {
       error = error_;
@@ -210,7 +210,7 @@ std::vector<at::Tensor> Transfer::wait() {
   if (!error.empty()) {
     sync_streams_quietly();
     holdings.clear();
-    TORCH_CHECK(false, "hipferry.Transfer.wait: the copy failed, its results were discarded: ", error);
+    HF_CHECK(false, "hipferry.Transfer.wait: the copy failed, its results were discarded: ", error);
   }
   try {
     if (completion_.event && device_.is_cuda()) {
@@ -251,45 +251,45 @@ std::shared_ptr<Transfer> start_transfer(TransferRequest r) {
   c10::Device where = prefetch ? r.device : c10::Device(c10::kCPU);
   for (std::size_t i = 0; i < r.sources.size(); ++i) {
     const at::Tensor& t = r.sources[i];
-    TORCH_CHECK_VALUE(t.defined(), api, ": tensors[", i, "] is an undefined tensor; expected a tensor");
-    TORCH_CHECK_VALUE(t.layout() == at::kStrided, api, ": tensors[", i, "] has layout ", t.layout(),
-                      "; expected strided (dense) tensors");
-    TORCH_CHECK_VALUE(!t.is_quantized(), api, ": tensors[", i, "] is quantized (", dtype_name(t.scalar_type()),
-                      "); expected a plain dtype (move t.int_repr() and the quantization parameters instead)");
+    HF_CHECK_VALUE(t.defined(), api, ": tensors[", i, "] is an undefined tensor; expected a tensor");
+    HF_CHECK_VALUE(t.layout() == at::kStrided, api, ": tensors[", i, "] has layout ", t.layout(),
+                   "; expected strided (dense) tensors");
+    HF_CHECK_VALUE(!t.is_quantized(), api, ": tensors[", i, "] is quantized (", dtype_name(t.scalar_type()),
+                   "); expected a plain dtype (move t.int_repr() and the quantization parameters instead)");
     if (prefetch) {
-      TORCH_CHECK_VALUE(t.is_cpu(), api, ": tensors[", i, "] is on ", t.device(),
-                        "; expected host (CPU) tensors to move to ", r.device);
+      HF_CHECK_VALUE(t.is_cpu(), api, ": tensors[", i, "] is on ", t.device(),
+                     "; expected host (CPU) tensors to move to ", r.device);
     } else {
-      TORCH_CHECK_VALUE(t.is_cpu() || t.is_cuda(), api, ": tensors[", i, "] is on ", t.device(),
-                        "; expected tensors on a GPU (or the CPU)");
+      HF_CHECK_VALUE(t.is_cpu() || t.is_cuda(), api, ": tensors[", i, "] is on ", t.device(),
+                     "; expected tensors on a GPU (or the CPU)");
       if (i == 0) where = t.device();
-      TORCH_CHECK_VALUE(t.device() == where, api, ": tensors[", i, "] is on ", t.device(), " but tensors[0] is on ",
-                        where, "; expected every tensor on one device");
+      HF_CHECK_VALUE(t.device() == where, api, ": tensors[", i, "] is on ", t.device(), " but tensors[0] is on ",
+                     where, "; expected every tensor on one device");
     }
     if (r.dtype && *r.dtype != t.scalar_type()) {
-      TORCH_CHECK_VALUE(convertible(t.scalar_type()) && convertible(*r.dtype), api, ": dtype ",
-                        dtype_name(*r.dtype), " cannot be produced from tensors[", i, "] of dtype ",
-                        dtype_name(t.scalar_type()),
-                        "; expected conversions among float32, float16 and bfloat16 (or dtype=None)");
+      HF_CHECK_VALUE(convertible(t.scalar_type()) && convertible(*r.dtype), api, ": dtype ",
+                     dtype_name(*r.dtype), " cannot be produced from tensors[", i, "] of dtype ",
+                     dtype_name(t.scalar_type()),
+                     "; expected conversions among float32, float16 and bfloat16 (or dtype=None)");
     }
   }
-  TORCH_CHECK_VALUE(where.is_cpu() || where.is_cuda(), api, ": device ", where,
-                    " is not supported; expected 'cpu' or a GPU ('cuda', 'cuda:N')");
+  HF_CHECK_VALUE(where.is_cpu() || where.is_cuda(), api, ": device ", where,
+                 " is not supported; expected 'cpu' or a GPU ('cuda', 'cuda:N')");
   const bool gpu = where.is_cuda();
   int device = -1;
   if (gpu) {
     const int count = rt::device_count();
-    TORCH_CHECK_VALUE(rt::build_info().platform != "cpu", api, ": device ", where,
-                      " needs a GPU build of hipferry, but this one is CPU-only; expected device='cpu'");
-    TORCH_CHECK_VALUE(count > 0, api, ": device ", where, " does not exist: hipferry sees no GPU here; expected "
-                      "device='cpu'");
+    HF_CHECK_VALUE(rt::build_info().platform != "cpu", api, ": device ", where,
+                   " needs a GPU build of hipferry, but this one is CPU-only; expected device='cpu'");
+    HF_CHECK_VALUE(count > 0, api, ": device ", where, " does not exist: hipferry sees no GPU here; expected "
+                   "device='cpu'");
     device = where.has_index() ? where.index() : current_torch_device();
-    TORCH_CHECK_VALUE(device >= 0 && device < count, api, ": device cuda:", device, " does not exist; hipferry sees ",
-                      count, " GPU(s)");
+    HF_CHECK_VALUE(device >= 0 && device < count, api, ": device cuda:", device, " does not exist; hipferry sees ",
+                   count, " GPU(s)");
     where = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device));
   }
   auto pool = pinned_pool(r.pool_id);
-  TORCH_CHECK(!pool->closed(), api, ": the pool is closed; expected an open PinnedPool");
+  HF_CHECK(!pool->closed(), api, ": the pool is closed; expected an open PinnedPool");
 
   auto handle = std::make_shared<Transfer>();
   handle->generation_ = fork_generation();
@@ -324,9 +324,9 @@ std::shared_ptr<Transfer> start_transfer(TransferRequest r) {
     if (gpu && prefetch) it.src_mapped = mapped_address(sources[i]);
     if (gpu && !prefetch) {
       it.dst_mapped = mapped_address(results[i]);
-      TORCH_CHECK_VALUE(!it.convert || it.dst_mapped != nullptr, api, ": dtype conversion on the way to the host ",
-                        "writes pinned memory from a kernel, but the pool's memory is not mapped; expected a "
-                        "PinnedPool(mapped=True) (the default) or dtype=None");
+      HF_CHECK_VALUE(!it.convert || it.dst_mapped != nullptr, api, ": dtype conversion on the way to the host ",
+                     "writes pinned memory from a kernel, but the pool's memory is not mapped; expected a "
+                     "PinnedPool(mapped=True) (the default) or dtype=None");
     }
     items.push_back(it);
   }
@@ -420,8 +420,8 @@ std::string set_batched_copy(const std::string& mode) {
   } else if (mode == "runtime") {
     e.set_batched_copy(engine::BatchedCopy::kRuntime);
   } else {
-    TORCH_CHECK_VALUE(mode.empty(), "hipferry.configure_transfers: batched_copy must be 'kernel' or 'runtime', got '",
-                      mode, "'");
+    HF_CHECK_VALUE(mode.empty(), "hipferry.configure_transfers: batched_copy must be 'kernel' or 'runtime', got '",
+                   mode, "'");
   }
   return mode.empty() ? previous : e.batched_copy();
 }

@@ -73,9 +73,9 @@ def test_test_hooks_are_not_part_of_the_production_module():
 
     from hipferry import _C
     from hipferry.optim import OffloadAdamW
-    for name in ("transfer_worker_sleep", "pool_bench_alloc_free"):
+    for name in ("transfer_worker_sleep", "pool_bench_alloc_free", "raise_error"):
         assert not hasattr(_C, name), f"hipferry._C.{name} is a test hook in the production module"
     assert "_cpu_params_as_remote" not in inspect.signature(OffloadAdamW).parameters
     hooks = getattr(_C, "_testing", None)
     if hooks is not None:
-        assert {"transfer_worker_sleep", "pool_bench_alloc_free"} <= set(dir(hooks))
+        assert {"transfer_worker_sleep", "pool_bench_alloc_free", "raise_error"} <= set(dir(hooks))
