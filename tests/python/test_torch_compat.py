@@ -117,3 +117,12 @@ def test_import_refuses_the_other_vendors_torch():
         "torch.version.hip, torch.version.cuda = '6.4.43482', None"
     out = import_under(other)
     assert out.startswith("REFUSED False ") and "is a " in out, out
+
+
+def test_import_does_not_load_torch_compile():
+    # torch._dynamo costs seconds to import; a program that never compiles must not pay it for hipferry.
+    code = "import sys, torch; assert 'torch._dynamo' not in sys.modules; import hipferry; " \
+           "print(sorted(m for m in sys.modules if m.startswith(('torch._dynamo', 'torch._inductor'))))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout

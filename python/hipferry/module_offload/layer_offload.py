@@ -159,13 +159,17 @@ class LayerOffload:
         self._known = [{id(p) for p in blk.module.parameters()} for blk in blocks]
         self._hooks = []
         self._integration = ModelIntegration(self)
+        # The hooks run eagerly under torch.compile. Disabled here, not with a
+        # decorator: torch.compiler.disable imports torch._dynamo (seconds),
+        # which `import hipferry` would otherwise pay on every run.
+        eager = torch.compiler.disable
         for m in self._integration.callers:
-            self._hooks.append(m.register_forward_pre_hook(self._call_begins))
-            self._hooks.append(m.register_forward_hook(self._call_ends, always_call=True))
+            self._hooks.append(m.register_forward_pre_hook(eager(self._call_begins)))
+            self._hooks.append(m.register_forward_hook(eager(self._call_ends), always_call=True))
         for blk in blocks:
-            self._hooks.append(blk.module.register_forward_pre_hook(partial(self._block_begins, blk.index),
+            self._hooks.append(blk.module.register_forward_pre_hook(eager(partial(self._block_begins, blk.index)),
                                                                     prepend=True))
-            self._hooks.append(blk.module.register_forward_hook(partial(self._block_ends, blk.index),
+            self._hooks.append(blk.module.register_forward_hook(eager(partial(self._block_ends, blk.index)),
                                                                 always_call=True))
         self._integration.install()
 
@@ -257,14 +261,12 @@ class LayerOffload:
                 f"stalls {s['stalls']})")
 
     # ------------------------------------------------------------ model calls
-    @torch.compiler.disable
     def _call_begins(self, module, args) -> None:
         if not in_backward():
             if not self._calls:
                 self._begin_pass()
             self._calls.append(id(module))
 
-    @torch.compiler.disable
     def _call_ends(self, module, args, output) -> None:
         if not in_backward() and self._calls and self._calls[-1] == id(module):
             self._calls.pop()
@@ -365,7 +367,6 @@ class LayerOffload:
         for params, attr, old in reversed(saved):
             params[attr] = old
 
-    @torch.compiler.disable
     def _block_begins(self, b: int, module, args) -> None:
         if self._closed:
             raise RuntimeError(f"{API}: this offload was undone; the block runs unmodified")
@@ -402,7 +403,6 @@ class LayerOffload:
         trace.__enter__()
         self._runs.append(_BlockRun(b, slot, saved, hooks, owner, trace))
 
-    @torch.compiler.disable
     def _block_ends(self, b: int, module, args, output) -> Any:
         if not self._runs or self._runs[-1].block != b:
             return None  # its pre-hook did not run (a hook before it raised)

@@ -149,6 +149,8 @@ class ModelIntegration:
 
 
 def _is_ours(fn: Any, handle: "LayerOffload", integration: ModelIntegration) -> bool:
+    while hasattr(fn, "__wrapped__"):  # torch.compiler.disable's wrapper (functools.wraps)
+        fn = fn.__wrapped__
     target = fn.func if isinstance(fn, partial) else fn
     owner = getattr(target, "__self__", None)
     if owner is handle or owner is integration:
