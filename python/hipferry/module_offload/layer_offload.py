@@ -160,7 +160,7 @@ class LayerOffload:
         self._hooks = []
         self._integration = ModelIntegration(self)
         # The hooks run eagerly under torch.compile. Disabled here, not with a
-        # decorator: torch.compiler.disable imports torch._dynamo (seconds),
+        # decorator: torch.compiler.disable imports dynamo (seconds),
         # which `import hipferry` would otherwise pay on every run.
         eager = torch.compiler.disable
         for m in self._integration.callers:
