@@ -1,36 +1,29 @@
-# The torch module hipferry._C. Links only torch's device-generic libraries
-# (c10, torch_cpu, torch_python for the tensor <-> Python casts): no torch GPU headers or libraries (design principle 3), so
-# one source builds against many torch, ROCm and CUDA versions.
+# The torch module hipferry._C, on LibTorch's stable ABI only (torch/csrc/stable
+# and the stable C shim; csrc/torch/stable.h): it includes no ATen or c10
+# header and links libtorch_cpu alone (no libtorch_python: tensors cross to
+# Python through csrc/torch/tensor_bridge.h). TORCH_TARGET_VERSION is the
+# oldest torch it supports, so the headers offer only what that release
+# exports, and one binary loads under it and every newer release.
+set(HIPFERRY_TORCH_OLDEST "2.13" CACHE STRING "Oldest torch minor the module targets (TORCH_TARGET_VERSION)")
 
 execute_process(
   COMMAND "${HIPFERRY_PYTHON}" -c
-    "import os, torch; d = os.path.dirname(torch.__file__); print(';'.join([os.path.join(d, 'include'), os.path.join(d, 'lib'), str(int(torch._C._GLIBCXX_USE_CXX11_ABI)), str(int(torch.backends.openmp.is_available()))]))"
+    "import os, torch; d = os.path.dirname(torch.__file__); print(';'.join([os.path.join(d, 'include'), os.path.join(d, 'lib')]))"
   OUTPUT_VARIABLE _torch_paths OUTPUT_STRIP_TRAILING_WHITESPACE COMMAND_ERROR_IS_FATAL ANY)
 list(GET _torch_paths 0 HIPFERRY_TORCH_INCLUDE)
 list(GET _torch_paths 1 HIPFERRY_TORCH_LIB)
-list(GET _torch_paths 2 HIPFERRY_TORCH_CXX11_ABI)
-list(GET _torch_paths 3 HIPFERRY_TORCH_OPENMP)
+
+string(REPLACE "." ";" _oldest "${HIPFERRY_TORCH_OLDEST}")
+list(GET _oldest 0 _oldest_major)
+list(GET _oldest 1 _oldest_minor)
+# TORCH_VERSION_X_Y_0 of torch/csrc/stable/version.h: major << 56 | minor << 48.
+math(EXPR _target_version "(${_oldest_major} << 56) | (${_oldest_minor} << 48)" OUTPUT_FORMAT HEXADECIMAL)
 
 add_library(hipferry_torch INTERFACE)
 target_include_directories(hipferry_torch SYSTEM INTERFACE "${HIPFERRY_TORCH_INCLUDE}")
-target_compile_definitions(hipferry_torch INTERFACE _GLIBCXX_USE_CXX11_ABI=${HIPFERRY_TORCH_CXX11_ABI})
-foreach(lib c10 torch_cpu torch torch_python)
-  find_library(HIPFERRY_LIB_${lib} ${lib} PATHS "${HIPFERRY_TORCH_LIB}" NO_DEFAULT_PATH REQUIRED)
-  target_link_libraries(hipferry_torch INTERFACE "${HIPFERRY_LIB_${lib}}")
-endforeach()
-
-# at::parallel_for is inline: with an OpenMP build of torch its `omp parallel`
-# is compiled into OUR objects, so they need -fopenmp (libgomp, as torch uses)
-# or every CPU kernel silently runs on one thread. torch says which it is.
-if(HIPFERRY_TORCH_OPENMP)
-  if(CMAKE_CXX_COMPILER_ID MATCHES "Clang")
-    set(_openmp_flag -fopenmp=libgomp)
-  else()
-    set(_openmp_flag -fopenmp)
-  endif()
-  target_compile_options(hipferry_torch INTERFACE ${_openmp_flag})
-  target_link_options(hipferry_torch INTERFACE ${_openmp_flag})
-endif()
+target_compile_definitions(hipferry_torch INTERFACE TORCH_TARGET_VERSION=${_target_version}ULL)
+find_library(HIPFERRY_LIB_torch_cpu torch_cpu PATHS "${HIPFERRY_TORCH_LIB}" NO_DEFAULT_PATH REQUIRED)
+target_link_libraries(hipferry_torch INTERFACE "${HIPFERRY_LIB_torch_cpu}" dl)
 
 execute_process(COMMAND "${HIPFERRY_PYTHON}" -m pybind11 --cmakedir
                 OUTPUT_VARIABLE pybind11_DIR OUTPUT_STRIP_TRAILING_WHITESPACE
@@ -40,6 +33,8 @@ set(Python_EXECUTABLE "${HIPFERRY_PYTHON}")
 find_package(pybind11 CONFIG REQUIRED)
 
 pybind11_add_module(_C MODULE
+  csrc/torch/stable.cpp
+  csrc/torch/tensor_bridge.cpp
   csrc/torch/ops.cpp
   csrc/torch/copy_cast_checks.cpp
   csrc/torch/copy_cast_cpu.cpp
@@ -61,20 +56,9 @@ if(HIPFERRY_TEST_HOOKS)
   target_sources(_C PRIVATE csrc/testing/test_hooks.cpp)
   target_compile_definitions(_C PRIVATE HIPFERRY_TEST_HOOKS)
 endif()
-# The module is compiled with the C++ standard torch's headers ask for
-# (torch 2.15 demands C++20, older releases are C++17): the compiler tells,
-# by preprocessing ATen.h as C++17 (it stops at once where torch refuses it).
-file(WRITE "${CMAKE_CURRENT_BINARY_DIR}/hipferry_torch_std_probe.cpp" "#include <ATen/ATen.h>\n")
-execute_process(COMMAND "${CMAKE_CXX_COMPILER}" -std=c++17 -E -D_GLIBCXX_USE_CXX11_ABI=${HIPFERRY_TORCH_CXX11_ABI}
-                        -isystem "${HIPFERRY_TORCH_INCLUDE}" "${CMAKE_CURRENT_BINARY_DIR}/hipferry_torch_std_probe.cpp"
-                RESULT_VARIABLE _cxx17_rc OUTPUT_QUIET ERROR_QUIET)
-if(_cxx17_rc EQUAL 0)
-  set(HIPFERRY_TORCH_CXX_STANDARD 17)
-else()
-  set(HIPFERRY_TORCH_CXX_STANDARD 20)
-endif()
-message(STATUS "hipferry: torch module compiled as C++${HIPFERRY_TORCH_CXX_STANDARD}, as torch requires")
-set_target_properties(_C PROPERTIES CXX_STANDARD ${HIPFERRY_TORCH_CXX_STANDARD})
+# C++17: what the stable headers need, on every torch release (ATen's own
+# headers asked for C++20 from torch 2.15 on; the module includes none).
+set_target_properties(_C PROPERTIES CXX_STANDARD 17)
 target_link_libraries(_C PRIVATE hipferry_engine hipferry_torch)
 target_compile_definitions(_C PRIVATE HIPFERRY_TORCH_VERSION="${HIPFERRY_TORCH_VERSION}")
 target_compile_options(_C PRIVATE -Wall -Wextra -Wno-unused-parameter)
@@ -93,14 +77,13 @@ else()
   set(_build_config_dir "${CMAKE_CURRENT_BINARY_DIR}")
 endif()
 
-# The torch releases the module loads under. It uses torch's C++ ABI, which
-# changes with every minor release, so only the minor it was built against.
-# The import check, `doctor` and the README read this record; it travels in
-# the wheel next to the module.
-set(HIPFERRY_TORCH_ABI "libtorch C++ ABI of torch ${HIPFERRY_TORCH_VERSION}, which changes with every minor release")
-string(REGEX MATCH "^[0-9]+\\.[0-9]+" HIPFERRY_TORCH_OLDEST "${HIPFERRY_TORCH_VERSION}")
-set(HIPFERRY_TORCH_NEWEST "${HIPFERRY_TORCH_OLDEST}")
-set(HIPFERRY_TORCH_NEWER_LOADS False)
+# The torch releases the module loads under: the stable ABI's promise is that
+# a module built for TORCH_TARGET_VERSION loads under that release and every
+# newer one. The import check, `doctor` and the README read this record; it
+# travels in the wheel next to the module.
+set(HIPFERRY_TORCH_ABI "LibTorch stable ABI (torch/csrc/stable, C shim), TORCH_TARGET_VERSION ${HIPFERRY_TORCH_OLDEST}")
+string(REGEX MATCH "^[0-9]+\\.[0-9]+" HIPFERRY_TORCH_NEWEST "${HIPFERRY_TORCH_VERSION}")
+set(HIPFERRY_TORCH_NEWER_LOADS True)
 if(HIPFERRY_RUNTIME_MAJOR STREQUAL "")
   set(HIPFERRY_RUNTIME_MAJOR_PY None)
 else()

@@ -2,7 +2,6 @@
 // compiled into the module only when the tests are built (CMake option
 // HIPFERRY_TEST_HOOKS, on with HIPFERRY_BUILD_TESTS); a production build has
 // none of them, and code that uses them checks for hipferry._C._testing.
-#include <ATen/ops/empty.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -19,6 +18,8 @@
 #include "csrc/core/host_pool/host_pool.h"
 #include "csrc/torch/pinned_pool.h"
 #include "csrc/torch/python_errors.h"
+#include "csrc/torch/stable.h"
+#include "csrc/torch/tensor_bridge.h"
 #include "csrc/torch/transfer_engine.h"
 
 namespace py = pybind11;
@@ -29,10 +30,11 @@ namespace {
 // Nanoseconds of each of `iterations` allocate+free pairs of `bytes`, after
 // one warm-up pair: the cached path, timed without Python in the loop.
 // kind: "pool_core" (HostPool directly), "pool_tensor" (pool_empty + free),
-// "torch_pinned" (at::empty(pin_memory=True)), "torch_cpu" (at::empty).
+// "torch_pinned" (torch.empty(pin_memory=True)), "torch_cpu" (torch.empty), both
+// through the stable ABI.
 std::vector<std::int64_t> bench_alloc_free(const std::string& kind, std::int64_t id, std::size_t bytes,
                                            int iterations) {
-  const auto byte_options = at::TensorOptions().dtype(at::kByte);
+  const Device cpu(DeviceType::CPU);
   const std::int64_t n = static_cast<std::int64_t>(bytes);
   std::function<void()> pair;
   std::shared_ptr<pool::HostPool> pool;
@@ -40,11 +42,11 @@ std::vector<std::int64_t> bench_alloc_free(const std::string& kind, std::int64_t
     pool = pinned_pool(id);
     pair = [&] { pool->deallocate(pool->allocate(bytes).host); };
   } else if (kind == "pool_tensor") {
-    pair = [&] { (void)pool_empty(id, {n}, at::kByte); };
+    pair = [&] { (void)pool_empty(id, {n}, ScalarType::Byte); };
   } else if (kind == "torch_pinned") {
-    pair = [&] { (void)at::empty({n}, byte_options.pinned_memory(true)); };
+    pair = [&] { (void)torch::stable::empty({n}, ScalarType::Byte, std::nullopt, cpu, true); };
   } else if (kind == "torch_cpu") {
-    pair = [&] { (void)at::empty({n}, byte_options); };
+    pair = [&] { (void)torch::stable::empty({n}, ScalarType::Byte, std::nullopt, cpu); };
   } else {
     throw std::invalid_argument("bench_alloc_free: kind must be pool_core, pool_tensor, torch_pinned or "
                                 "torch_cpu, got '" + kind + "'");
@@ -91,6 +93,18 @@ void bind_test_hooks(py::module_& m) {
           translate_errors([&] { raise_error(kind, message); });
         },
         py::arg("kind"), py::arg("message"), py::call_guard<py::gil_scoped_release>());
+  // hipferry's own dtype table (csrc/torch/stable.cpp), each entry with a
+  // tensor made in that dtype through the stable ABI (None for the quantized
+  // dtypes, which need a quantizer): the tests compare names and sizes with torch.
+  t.def("dtype_table", [] {
+    py::list rows;
+    for (ScalarType type : known_dtypes()) {
+      py::object made = py::none();
+      if (!is_quantized(type)) made = tensor_to_python(torch::stable::empty({2}, type, std::nullopt, Device(DeviceType::CPU)));
+      rows.append(py::make_tuple(dtype_name(type), element_size_of(type), made));
+    }
+    return rows;
+  });
   t.def("pool_bench_alloc_free", &bench_alloc_free, py::arg("kind"), py::arg("pool"), py::arg("bytes"),
         py::arg("iterations"));
 }

@@ -2,10 +2,7 @@
 // binding hipferry._C.AdamWStreamer, driven by hipferry.optim.OffloadAdamW.
 #include "csrc/torch/adamw_streamer.h"
 
-#include <ATen/ATen.h>
 #include <pybind11/pybind11.h>
-#include <pybind11/stl.h>
-#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <optional>
@@ -17,9 +14,9 @@
 #include "csrc/core/schedule/host_streams.h"
 #include "hip/gpu_stream.h"
 #include "hip/trace_session.h"
-#include "csrc/torch/copy_cast_checks.h"
 #include "csrc/torch/current_stream.h"
 #include "csrc/torch/python_errors.h"
+#include "csrc/torch/tensor_bridge.h"
 
 namespace py = pybind11;
 
@@ -32,31 +29,30 @@ std::unique_ptr<schedule::Stream> copy_stream(int device, const char* direction)
   return std::make_unique<gpu::GpuStream>(device, "gpu:" + std::to_string(device) + " adamw " + direction + " stream");
 }
 
-void check_host_state(const at::Tensor& t, const char* name, std::size_t index, std::int64_t numel) {
-  HF_CHECK_VALUE(t.is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == numel,
+void check_host_state(const Tensor& t, const char* name, std::size_t index, std::int64_t numel) {
+  HF_CHECK_VALUE(t.is_cpu() && t.scalar_type() == ScalarType::Float && t.is_contiguous() && t.numel() == numel,
                  "AdamWStreamer.step: ", name, "[", index, "] must be a contiguous float32 host tensor with ",
-                 numel, " elements; got ", t.scalar_type(), " on ", t.device(), " with ", t.numel(),
-                 " elements");
+                 numel, " elements; got ", dtype_name(t.scalar_type()), " on ", device_name(t.device()), " with ",
+                 t.numel(), " elements");
 }
 
 void check_param(const StreamedParam& p, std::size_t i, int device, bool amsgrad) {
-  const at::Tensor& param = p.param;
-  const bool placed = device < 0 ? param.is_cpu() : param.is_cuda() && param.device().index() == device;
+  const Tensor& param = p.param;
+  const bool placed = device < 0 ? param.is_cpu() : param.is_cuda() && param.get_device_index() == device;
   HF_CHECK_VALUE(placed && param.is_contiguous(), "AdamWStreamer.step: params[", i,
                  "] must be a contiguous tensor on ", device < 0 ? std::string("the CPU (host mode)")
                                                                  : "cuda:" + std::to_string(device),
-                 "; got ", param.device());
-  const bool low = param.scalar_type() == at::kHalf || param.scalar_type() == at::kBFloat16;
-  HF_CHECK_VALUE(low || param.scalar_type() == at::kFloat, "AdamWStreamer.step: params[", i, "] has dtype ",
-                 param.scalar_type(), "; expected float32, float16 or bfloat16");
-  HF_CHECK_VALUE(low == p.master.has_value(), "AdamWStreamer.step: params[", i, "] is ", param.scalar_type(),
+                 "; got ", device_name(param.device()));
+  const ScalarType pt = param.scalar_type();
+  const bool low = pt == ScalarType::Half || pt == ScalarType::BFloat16;
+  HF_CHECK_VALUE(low || pt == ScalarType::Float, "AdamWStreamer.step: params[", i, "] has dtype ", dtype_name(pt),
+                 "; expected float32, float16 or bfloat16");
+  HF_CHECK_VALUE(low == p.master.has_value(), "AdamWStreamer.step: params[", i, "] is ", dtype_name(pt),
                  low ? " and needs" : " and must not have", " a float32 master");
-  const auto gt = p.grad.scalar_type();
   HF_CHECK_VALUE(p.grad.device() == param.device() && p.grad.is_contiguous() &&
-                     p.grad.numel() == param.numel() &&
-                     (gt == at::kFloat || gt == at::kHalf || gt == at::kBFloat16),
-                 "AdamWStreamer.step: grads[", i, "] must be a contiguous float tensor on ", param.device(),
-                 " with ", param.numel(), " elements");
+                     p.grad.numel() == param.numel() && is_float_convertible(p.grad.scalar_type()),
+                 "AdamWStreamer.step: grads[", i, "] must be a contiguous float tensor on ",
+                 device_name(param.device()), " with ", param.numel(), " elements");
   if (p.master) check_host_state(*p.master, "masters", i, param.numel());
   check_host_state(p.exp_avg, "exp_avgs", i, param.numel());
   check_host_state(p.exp_avg_sq, "exp_avg_sqs", i, param.numel());
@@ -98,9 +94,11 @@ void AdamWStreamer::synchronize() {
 bool AdamWStreamer::ensure_ring(int arrays_per_slot) {
   if (ring_.defined() && arrays_per_slot <= arrays_per_slot_) return false;
   synchronize();  // the old ring may still be read or written by the last step
-  ring_ = at::Tensor();
-  const at::Device where = device_ >= 0 ? at::Device(at::kCUDA, device_) : at::Device(at::kCPU);
-  ring_ = at::empty({slots_ * arrays_per_slot * chunk_numel_}, at::TensorOptions().dtype(at::kFloat).device(where));
+  ring_ = Tensor();  // the old ring goes back before the new one is allocated
+  const Device where = device_ >= 0 ? Device(DeviceType::CUDA, static_cast<torch::stable::DeviceIndex>(device_))
+                                    : Device(DeviceType::CPU);
+  const std::int64_t numel = std::int64_t{slots_} * arrays_per_slot * chunk_numel_;
+  ring_ = torch::stable::empty({numel}, ScalarType::Float, std::nullopt, where);
   arrays_per_slot_ = arrays_per_slot;
   return true;
 }
@@ -112,14 +110,14 @@ void AdamWStreamer::step(const std::vector<StreamedParam>& params, const optim::
   for (const StreamedParam& p : params) {
     optim::StreamedArrays a;
     a.numel = p.param.numel();
-    a.param = p.param.data_ptr();
+    a.param = p.param.mutable_data_ptr();
     a.param_type = element_type_of(p.param);
     a.grad = p.grad.const_data_ptr();
     a.grad_type = element_type_of(p.grad);
-    a.master = p.master ? p.master->data_ptr<float>() : nullptr;
-    a.exp_avg = p.exp_avg.data_ptr<float>();
-    a.exp_avg_sq = p.exp_avg_sq.data_ptr<float>();
-    a.max_exp_avg_sq = p.max_exp_avg_sq ? p.max_exp_avg_sq->data_ptr<float>() : nullptr;
+    a.master = p.master ? p.master->mutable_data_ptr<float>() : nullptr;
+    a.exp_avg = p.exp_avg.mutable_data_ptr<float>();
+    a.exp_avg_sq = p.exp_avg_sq.mutable_data_ptr<float>();
+    a.max_exp_avg_sq = p.max_exp_avg_sq ? p.max_exp_avg_sq->mutable_data_ptr<float>() : nullptr;
     arrays.push_back(a);
   }
   const bool host = device_ < 0;
@@ -140,8 +138,8 @@ void AdamWStreamer::step(const std::vector<StreamedParam>& params, const optim::
     if (p.max_exp_avg_sq) in_flight_.push_back(*p.max_exp_avg_sq);
   }
   const int device = device_;
-  pipeline_.step(arrays, s, optim::AdamWStreams{*in_, *compute, *out_}, ring_.data_ptr<float>(), arrays_per_slot_,
-                 fresh,
+  pipeline_.step(arrays, s, optim::AdamWStreams{*in_, *compute, *out_}, ring_.mutable_data_ptr<float>(),
+                 arrays_per_slot_, fresh,
                  [device](const optim::AdamWArrays& a, const optim::AdamWScalars& sc, std::int64_t n,
                           schedule::NativeStream stream) { gpu::launch_adamw(a, sc, n, stream, device); });
 }
@@ -162,20 +160,35 @@ void bind_adamw_streamer(py::module_& m) {
            py::arg("device"), py::arg("chunk_numel"), py::arg("slots"))
       .def(
           "step",
-          [](AdamWStreamer& self, const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-             const std::vector<std::optional<at::Tensor>>& masters, const std::vector<at::Tensor>& exp_avgs,
-             const std::vector<at::Tensor>& exp_avg_sqs, const std::vector<std::optional<at::Tensor>>& maxes,
-             std::int64_t step, double lr, double beta1, double beta2, double eps, double weight_decay, bool amsgrad,
-             bool maximize) {
+          [](AdamWStreamer& self, py::object params_in, py::object grads_in, py::object masters_in,
+             py::object exp_avgs_in, py::object exp_avg_sqs_in, py::object maxes_in, std::int64_t step, double lr,
+             double beta1, double beta2, double eps, double weight_decay, bool amsgrad, bool maximize) {
             translate_errors([&] {
+              // Converted with the GIL; every tensor here dies after it is taken back (declared before no_gil).
+              const std::vector<Tensor> params = tensors_from_python(params_in, "AdamWStreamer.step: params");
+              const std::vector<Tensor> grads = tensors_from_python(grads_in, "AdamWStreamer.step: grads");
+              const std::vector<Tensor> masters =
+                  tensors_from_python(masters_in, "AdamWStreamer.step: masters", true);
+              const std::vector<Tensor> exp_avgs = tensors_from_python(exp_avgs_in, "AdamWStreamer.step: exp_avgs");
+              const std::vector<Tensor> exp_avg_sqs =
+                  tensors_from_python(exp_avg_sqs_in, "AdamWStreamer.step: exp_avg_sqs");
+              const std::vector<Tensor> maxes =
+                  tensors_from_python(maxes_in, "AdamWStreamer.step: max_exp_avg_sqs", true);
               const std::size_t n = params.size();
               HF_CHECK_VALUE(grads.size() == n && masters.size() == n && exp_avgs.size() == n &&
                                  exp_avg_sqs.size() == n && maxes.size() == n,
                              "AdamWStreamer.step: every list must have one entry per parameter (", n, ")");
               HF_CHECK_VALUE(step >= 1, "AdamWStreamer.step: step must be >= 1, got ", step);
-              std::vector<StreamedParam> ps(n);
-              for (std::size_t i = 0; i < n; ++i)
-                ps[i] = StreamedParam{params[i], grads[i], masters[i], exp_avgs[i], exp_avg_sqs[i], maxes[i]};
+              // None (an undefined tensor) is an absent master / max_exp_avg_sq.
+              const auto present = [](const Tensor& t) {
+                return t.defined() ? std::optional<Tensor>(t) : std::nullopt;
+              };
+              std::vector<StreamedParam> ps;
+              ps.reserve(n);
+              for (std::size_t i = 0; i < n; ++i) {
+                ps.push_back(StreamedParam{params[i], grads[i], present(masters[i]), exp_avgs[i], exp_avg_sqs[i],
+                                           present(maxes[i])});
+              }
               const optim::AdamWHyper h{.lr = lr, .beta1 = beta1, .beta2 = beta2, .eps = eps,
                                         .weight_decay = weight_decay, .amsgrad = amsgrad, .maximize = maximize};
               py::gil_scoped_release no_gil;

@@ -3,7 +3,7 @@
 //
 // The schedule itself is torch-free: csrc/core/optim/adamw_pipeline.h (Note
 // [GPU-streamed AdamW]) on the copy scheduler's streams. This class is its
-// ATen layer: it checks the tensors, owns the device ring and the two copy
+// torch layer (stable ABI): it checks the tensors, owns the device ring and the two copy
 // streams, and keeps the host tensors of the last step alive until
 // synchronize() (the Python optimizer calls it before state_dict,
 // load_state_dict and any engine switch; the destructor synchronizes too, so
@@ -13,8 +13,6 @@
 // schedule on machines without a GPU.
 #pragma once
 
-#include <ATen/core/Tensor.h>
-
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -23,18 +21,19 @@
 #include "csrc/core/optim/adamw_pipeline.h"
 #include "csrc/core/optim/adamw_update.h"
 #include "csrc/core/schedule/stream.h"
+#include "csrc/torch/stable.h"
 
 namespace hipferry {
 
 // One parameter's tensors for a streamed step. `param` and `grad` are on the
 // device; the state is float32 on the host, contiguous, with param's numel.
 struct StreamedParam {
-  at::Tensor param;                   // float32 (updated in place) or float16/bfloat16 (written from the master)
-  at::Tensor grad;                    // float32, float16 or bfloat16, on param's device
-  std::optional<at::Tensor> master;   // float32 host master, present exactly when param is low precision
-  at::Tensor exp_avg;
-  at::Tensor exp_avg_sq;
-  std::optional<at::Tensor> max_exp_avg_sq;  // amsgrad only
+  Tensor param;                   // float32 (updated in place) or float16/bfloat16 (written from the master)
+  Tensor grad;                    // float32, float16 or bfloat16, on param's device
+  std::optional<Tensor> master;   // float32 host master, present exactly when param is low precision
+  Tensor exp_avg;
+  Tensor exp_avg_sq;
+  std::optional<Tensor> max_exp_avg_sq;  // amsgrad only
 };
 
 class AdamWStreamer {
@@ -49,7 +48,7 @@ class AdamWStreamer {
   void step(const std::vector<StreamedParam>& params, const optim::AdamWScalars& scalars);
   // Blocks until the last step's state is back on the host.
   void synchronize();
-  std::int64_t ring_bytes() const { return ring_.defined() ? ring_.nbytes() : 0; }
+  std::int64_t ring_bytes() const { return ring_.defined() ? static_cast<std::int64_t>(nbytes_of(ring_)) : 0; }
   int device() const { return device_; }
   std::int64_t chunk_numel() const { return chunk_numel_; }
   int slots() const { return slots_; }
@@ -65,8 +64,8 @@ class AdamWStreamer {
   std::unique_ptr<schedule::Stream> in_;   // host->device copies of state (GPU stream, or the host)
   std::unique_ptr<schedule::Stream> out_;  // device->host copies of state
   optim::AdamWPipeline pipeline_;
-  at::Tensor ring_;                     // slots_ * arrays_per_slot_ * chunk_numel_ floats on device_
-  std::vector<at::Tensor> in_flight_;   // host state of the last step, kept until synchronize()
+  Tensor ring_;                     // slots_ * arrays_per_slot_ * chunk_numel_ floats on device_ (undefined at first)
+  std::vector<Tensor> in_flight_;   // host state of the last step, kept until synchronize()
 };
 
 }  // namespace hipferry

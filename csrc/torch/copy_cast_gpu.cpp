@@ -6,12 +6,11 @@
 // Like a non_blocking copy, the work is ordered on the current stream: the
 // caller keeps both tensors alive until the stream has passed it, and
 // synchronizes before reading a host dst.
-#include <ATen/core/Tensor.h>
-#include <c10/util/Exception.h>
-#include <torch/library.h>
+#include <torch/csrc/stable/library.h>
 
 #include <string>
 
+#include "csrc/core/errors.h"
 #include "hip/copy_cast_kernel.h"
 #include "hip/runtime.h"
 #include "csrc/torch/copy_cast_checks.h"
@@ -22,16 +21,16 @@
 namespace hipferry {
 namespace {
 
-void copy_cast_gpu_kernel(at::Tensor& dst, const at::Tensor& src) {
+void copy_cast_gpu_kernel(Tensor dst, Tensor src) {
   check_copy_cast_args(dst, src);
-  TORCH_CHECK(dst.is_cuda() || dst.is_cpu(), "hipferry.copy_cast_: dst must be on the CPU or a GPU, got ",
-              dst.device());
-  TORCH_CHECK(src.is_cuda() || src.is_cpu(), "hipferry.copy_cast_: src must be on the CPU or a GPU, got ",
-              src.device());
+  HF_CHECK(dst.is_cuda() || dst.is_cpu(), "hipferry.copy_cast_: dst must be on the CPU or a GPU, got ",
+           device_name(dst.device()));
+  HF_CHECK(src.is_cuda() || src.is_cpu(), "hipferry.copy_cast_: src must be on the CPU or a GPU, got ",
+           device_name(src.device()));
   const int device = current_torch_device();
-  const auto check_on_current_device = [device](const at::Tensor& t, const char* name) {
-    TORCH_CHECK(!t.is_cuda() || t.device().index() == device, "hipferry.copy_cast_: ", name, " is on ",
-                t.device(), " but the current device is cuda:", device,
+  const auto check_on_current_device = [device](const Tensor& t, const char* name) {
+    HF_CHECK(!t.is_cuda() || t.get_device_index() == device, "hipferry.copy_cast_: ", name, " is on ",
+             device_name(t.device()), " but the current device is cuda:", device,
                 "; expected tensors on the current device (use torch.cuda.device(...) or "
                 "torch.cuda.set_device)");
   };
@@ -46,9 +45,9 @@ void copy_cast_gpu_kernel(at::Tensor& dst, const at::Tensor& src) {
   try {
     rt::DeviceGuard guard(device);
     tracing::StreamSpan span(device, stream, "gpu:" + std::to_string(device) + " current stream", "copy_cast_",
-                             dst.scalar_type() == src.scalar_type() ? "copy" : "kernel", dst.nbytes());
+                             dst.scalar_type() == src.scalar_type() ? "copy" : "kernel", nbytes_of(dst));
     if (dst.scalar_type() == src.scalar_type()) {
-      rt::memcpy_async(d, s, dst.nbytes(), stream);
+      rt::memcpy_async(d, s, nbytes_of(dst), stream);
     } else {
       gpu::launch_copy_cast(s, element_type_of(src), d, element_type_of(dst), dst.numel(), stream,
                             device);
@@ -58,12 +57,12 @@ void copy_cast_gpu_kernel(at::Tensor& dst, const at::Tensor& src) {
     record_pool_use(dst, device, stream);
     record_pool_use(src, device, stream);
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, e.what());
+    HF_CHECK(false, e.what());
   }
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(hipferry, CUDA, m) { m.impl("copy_cast_", &copy_cast_gpu_kernel); }
-
 }  // namespace hipferry
+
+STABLE_TORCH_LIBRARY_IMPL(hipferry, CUDA, m) { m.impl("copy_cast_", TORCH_BOX(&hipferry::copy_cast_gpu_kernel)); }

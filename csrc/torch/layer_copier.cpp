@@ -11,14 +11,11 @@
 //     vectorized, multi-threaded CPU copy_cast); wait() blocks the host.
 // Either way every copy shows on hipferry.trace()'s timeline, on the ring's
 // track, and a failed copy fails every later wait() (the scheduler's rule).
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
 #include <pybind11/pybind11.h>
-#include <pybind11/stl.h>
-#include <torch/csrc/utils/pybind.h>
 
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -30,6 +27,8 @@
 #include "csrc/torch/current_stream.h"
 #include "csrc/torch/pinned_pool.h"
 #include "csrc/torch/python_errors.h"
+#include "csrc/torch/stable.h"
+#include "csrc/torch/tensor_bridge.h"
 #include "hip/copy_cast_kernel.h"
 #include "hip/gpu_stream.h"
 #include "hip/trace_session.h"
@@ -44,7 +43,7 @@ namespace {
 // the host weights outlive every copy anyway).
 struct CopyTicket {
   std::shared_ptr<schedule::Event> done;
-  std::vector<at::Tensor> tensors;
+  std::vector<Tensor> tensors;
 };
 
 // Bytes per CPU thread piece: one thread converts ~1-2 GB/s.
@@ -67,16 +66,16 @@ class LayerCopier {
     }
   }
 
-  std::shared_ptr<CopyTicket> start(const std::vector<at::Tensor>& dsts, const std::vector<at::Tensor>& srcs) {
+  std::shared_ptr<CopyTicket> start(const std::vector<Tensor>& dsts, const std::vector<Tensor>& srcs) {
     HF_CHECK_VALUE(dsts.size() == srcs.size(), "LayerCopier.start: ", dsts.size(), " destinations for ",
                    srcs.size(), " sources; expected one each");
     const bool gpu = device_ >= 0;
     for (std::size_t i = 0; i < dsts.size(); ++i) {  // everything checked before anything is queued
       check_copy_cast_args(dsts[i], srcs[i]);
-      HF_CHECK_VALUE(gpu ? dsts[i].is_cuda() && dsts[i].device().index() == device_ : dsts[i].is_cpu(),
-                     "LayerCopier.start: destination ", i, " is on ", dsts[i].device(), "; expected ",
+      HF_CHECK_VALUE(gpu ? dsts[i].is_cuda() && dsts[i].get_device_index() == device_ : dsts[i].is_cpu(),
+                     "LayerCopier.start: destination ", i, " is on ", device_name(dsts[i].device()), "; expected ",
                      gpu ? "cuda:" + std::to_string(device_) : std::string("the CPU"));
-      HF_CHECK_VALUE(srcs[i].is_cpu(), "LayerCopier.start: source ", i, " is on ", srcs[i].device(),
+      HF_CHECK_VALUE(srcs[i].is_cpu(), "LayerCopier.start: source ", i, " is on ", device_name(srcs[i].device()),
                      "; expected host weights");
     }
     auto ticket = std::make_shared<CopyTicket>();
@@ -96,7 +95,7 @@ class LayerCopier {
     for (schedule::Work& w : work) stream_->enqueue(std::move(w));
     ticket->done = stream_->record();
     if (gpu) {
-      for (const at::Tensor& t : ticket->tensors) record_pool_use(t, device_, static_cast<gpu::GpuStream&>(*stream_).handle());
+      for (const Tensor& t : ticket->tensors) record_pool_use(t, device_, static_cast<gpu::GpuStream&>(*stream_).handle());
     }
     return ticket;
   }
@@ -116,12 +115,12 @@ class LayerCopier {
   void drain() { stream_->record()->synchronize(); }
 
  private:
-  schedule::Work copy_of(const at::Tensor& dst, const at::Tensor& src) {
+  schedule::Work copy_of(const Tensor& dst, const Tensor& src) {
     schedule::Work w;
     const bool convert = dst.scalar_type() != src.scalar_type();
-    w.label = schedule::Label{convert ? "layer copy_cast" : "layer copy", convert ? "kernel" : "copy", dst.nbytes()};
+    const std::size_t bytes = nbytes_of(dst);
+    w.label = schedule::Label{convert ? "layer copy_cast" : "layer copy", convert ? "kernel" : "copy", bytes};
     const std::int64_t n = dst.numel();
-    const std::size_t bytes = dst.nbytes();
     // Element types matter to a conversion only (a byte copy may be of any dtype).
     const ElementType st = convert ? element_type_of(src) : ElementType{};
     const ElementType dt = convert ? element_type_of(dst) : ElementType{};
@@ -137,11 +136,11 @@ class LayerCopier {
         }
       };
     } else {
-      void* d = dst.data_ptr();
+      void* d = dst.mutable_data_ptr();
       const void* s = src.const_data_ptr();
       const std::size_t src_size = src.element_size(), dst_size = dst.element_size();
       w.on_host = [=] {
-        at::parallel_for(0, n, kGrainElements, [&](std::int64_t lo, std::int64_t hi) {
+        torch::stable::parallel_for(0, n, kGrainElements, [&](std::int64_t lo, std::int64_t hi) {
           const char* from = static_cast<const char*>(s) + lo * static_cast<std::int64_t>(src_size);
           char* to = static_cast<char*>(d) + lo * static_cast<std::int64_t>(dst_size);
           if (convert) {
@@ -173,8 +172,12 @@ void bind_layer_copier(py::module_& m) {
            }),
            py::arg("device"))
       .def("start",
-           [](LayerCopier& self, const std::vector<at::Tensor>& dsts, const std::vector<at::Tensor>& srcs) {
+           [](LayerCopier& self, py::object dsts_in, py::object srcs_in) {
              return translate_errors([&] {
+               // Converted with the GIL; the lists die after it is taken back (declared before no_gil). The
+               // ticket's copies die when Python lets go of the ticket, with the GIL.
+               const std::vector<Tensor> dsts = tensors_from_python(dsts_in, "LayerCopier.start: dsts");
+               const std::vector<Tensor> srcs = tensors_from_python(srcs_in, "LayerCopier.start: srcs");
                py::gil_scoped_release no_gil;
                return self.start(dsts, srcs);
              });

@@ -1,10 +1,11 @@
 // Every hipferry op schema, declared once. Backends register kernels for their
 // dispatch key only: copy_cast_cpu.cpp (CPU), copy_cast_gpu.cpp (CUDA, which
 // is also HIP on ROCm builds of torch), pinned_pool.cpp (no tensor inputs:
-// CompositeExplicitAutograd). Fake kernels are in python/hipferry/.
-#include <torch/library.h>
+// CompositeExplicitAutograd). Fake kernels are in python/hipferry/. All are
+// registered through the stable ABI (STABLE_TORCH_LIBRARY).
+#include <torch/csrc/stable/library.h>
 
-TORCH_LIBRARY(hipferry, m) {
+STABLE_TORCH_LIBRARY(hipferry, m) {
   // Writes src converted to dst.dtype into dst. src and dst may be on different
   // devices (host<->device through mapped pinned memory, or one device).
   m.def("copy_cast_(Tensor(a!) dst, Tensor src) -> ()");

@@ -1,48 +1,58 @@
 // Pinned pools for torch (see pinned_pool.h).
 #include "csrc/torch/pinned_pool.h"
 
-#include <ATen/ops/empty.h>
-#include <c10/core/Storage.h>
-#include <c10/core/TensorImpl.h>
-#include <c10/util/Exception.h>
-#include <torch/library.h>
+#include <torch/csrc/stable/library.h>
 
+#include <algorithm>
+#include <cstdio>
 #include <mutex>
 #include <unordered_map>
 
 #include "csrc/core/errors.h"
+#include "csrc/torch/op_errors.h"
 #include "csrc/torch/transfer_engine.h"
 #include "hip/pinned_memory.h"
 
 namespace hipferry {
 namespace {
 
-std::mutex registry_mutex;  // guards registry and next_id
-std::unordered_map<std::int64_t, std::shared_ptr<pool::HostPool>> registry;
+std::mutex registry_mutex;  // guards registry, every_pool and next_id
+std::unordered_map<std::int64_t, std::shared_ptr<pool::HostPool>> registry;  // the open pools, by id
+// Every pool that may still have live blocks, closed ones included (a tensor
+// keeps its pool alive): record_pool_use looks a tensor's block up in each.
+std::vector<std::weak_ptr<pool::HostPool>> every_pool;
 std::int64_t next_id = 1;
 
-// The DataPtr context of a pool tensor's storage: keeps the pool alive while
-// any tensor uses one of its blocks.
+// The deleter of a pool tensor's storage: it keeps the pool alive while any
+// tensor uses one of its blocks, and returns the block when the storage dies.
 struct PoolBlock {
   std::shared_ptr<pool::HostPool> pool;
   void* host;
+  void operator()(void* /*data*/) const {
+    try {
+      pool->deallocate(host);
+    } catch (const std::exception& e) {  // a deleter must not throw
+      std::fprintf(stderr, "hipferry: returning a block to its pinned pool failed: %s\n", e.what());
+    }
+  }
 };
 
-void delete_pool_block(void* context) {
-  auto* block = static_cast<PoolBlock*>(context);
-  try {
-    block->pool->deallocate(block->host);
-  } catch (const std::exception& e) {  // a deleter must not throw
-    TORCH_WARN("hipferry: returning a block to its pinned pool failed: ", e.what());
+// The pool whose live block starts where `t`'s storage does, or null.
+std::shared_ptr<pool::HostPool> pool_of(const Tensor& t, void*& block) {
+  if (!t.defined() || !t.is_cpu() || t.numel() == 0) return nullptr;
+  const auto offset = t.storage_offset() * static_cast<std::int64_t>(t.element_size());
+  block = static_cast<char*>(const_cast<void*>(t.const_data_ptr())) - offset;
+  std::vector<std::shared_ptr<pool::HostPool>> pools;
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    for (const auto& w : every_pool) {
+      if (auto p = w.lock()) pools.push_back(std::move(p));
+    }
   }
-  delete block;
-}
-
-const PoolBlock* pool_block_of(const at::Tensor& t) {
-  if (!t.defined() || !t.has_storage() || !t.is_cpu()) return nullptr;
-  const c10::DataPtr& dp = t.storage().data_ptr();
-  if (dp.get_deleter() != &delete_pool_block) return nullptr;
-  return static_cast<const PoolBlock*>(dp.get_context());
+  for (auto& p : pools) {
+    if (p->owns(block)) return p;
+  }
+  return nullptr;  // pools die outside the lock
 }
 
 }  // namespace
@@ -55,6 +65,10 @@ std::int64_t create_pinned_pool(const PinnedPoolConfig& config) {
   pool->set_reclaimer([] { return poll_transfer_releases(); });
   std::lock_guard<std::mutex> lock(registry_mutex);
   const std::int64_t id = next_id++;
+  every_pool.erase(std::remove_if(every_pool.begin(), every_pool.end(),
+                                  [](const std::weak_ptr<pool::HostPool>& w) { return w.expired(); }),
+                   every_pool.end());
+  every_pool.push_back(pool);
   registry.emplace(id, std::move(pool));
   return id;
 }
@@ -79,34 +93,33 @@ void destroy_pinned_pool(std::int64_t id) {
   pool->close();  // outside the registry lock: it releases memory
 }
 
-// An op kernel: its checks stay c10 errors, which torch's dispatcher binding
-// raises by type (c10::OutOfMemoryError as torch.OutOfMemoryError); a std
-// exception would arrive as RuntimeError. Direct C++ callers (start_transfer)
-// reach Python through translate_errors, which maps c10 errors the same way.
-at::Tensor pool_empty(std::int64_t pool_id, at::IntArrayRef sizes, at::ScalarType dtype, std::int64_t for_device) {
-  TORCH_CHECK(for_device >= -1 && for_device < (std::int64_t{1} << 16), "hipferry.PinnedPool.empty: for_device ",
-              for_device, " is not a device index; expected -1 (the current GPU) or an index >= 0");
+// Argument errors are std::runtime_error (RuntimeError, as torch's own
+// factory checks); a full pool is OutOfMemory (torch.OutOfMemoryError: the
+// op kernel below tags it for hipferry.ops, translate_errors maps it for the
+// transfer engine's callers).
+Tensor pool_empty(std::int64_t pool_id, const Shape& sizes, ScalarType dtype, std::int64_t for_device) {
+  HF_CHECK(for_device >= -1 && for_device < (std::int64_t{1} << 16), "hipferry.PinnedPool.empty: for_device ",
+           for_device, " is not a device index; expected -1 (the current GPU) or an index >= 0");
   bool empty = false;
   for (std::size_t i = 0; i < sizes.size(); ++i) {
-    TORCH_CHECK(sizes[i] >= 0, "hipferry.PinnedPool.empty: size has a negative dimension ", sizes[i],
-                " at index ", i, "; expected sizes >= 0");
+    HF_CHECK(sizes[i] >= 0, "hipferry.PinnedPool.empty: size has a negative dimension ", sizes[i],
+             " at index ", i, "; expected sizes >= 0");
     empty = empty || sizes[i] == 0;
   }
   std::int64_t numel = empty ? 0 : 1;  // a zero-element shape is fine however large its other dimensions
   for (std::size_t i = 0; i < sizes.size() && !empty; ++i) {
-    TORCH_CHECK(numel <= (std::int64_t{1} << 50) / sizes[i], "hipferry.PinnedPool.empty: size ", sizes,
-                " has more than 2^50 elements; expected a size that fits in host memory");
+    HF_CHECK(numel <= (std::int64_t{1} << 50) / sizes[i], "hipferry.PinnedPool.empty: size ", shape_str(sizes),
+             " has more than 2^50 elements; expected a size that fits in host memory");
     numel *= sizes[i];
   }
-  TORCH_CHECK(!c10::isQIntType(dtype) && dtype != at::ScalarType::Undefined,
-              "hipferry.PinnedPool.empty: dtype ", dtype, " cannot be allocated as plain memory; expected a "
-              "non-quantized dtype");
-  const auto options = at::TensorOptions().dtype(dtype).device(at::kCPU);
-  const std::size_t nbytes = static_cast<std::size_t>(numel) * c10::elementSize(dtype);
+  HF_CHECK(!is_quantized(dtype) && dtype != ScalarType::Undefined, "hipferry.PinnedPool.empty: dtype ",
+           dtype_name(dtype), " cannot be allocated as plain memory; expected a non-quantized dtype");
+  const std::size_t nbytes = static_cast<std::size_t>(numel) * element_size_of(dtype);
   auto pool = pinned_pool(pool_id);
+  const Device cpu(DeviceType::CPU);
   if (nbytes == 0) {
-    TORCH_CHECK(!pool->closed(), "hipferry.PinnedPool.empty: the pool is closed; expected an open pool");
-    return at::empty(sizes, options);
+    HF_CHECK(!pool->closed(), "hipferry.PinnedPool.empty: the pool is closed; expected an open pool");
+    return torch::stable::empty(sizes, dtype, std::nullopt, cpu);
   }
   // Only a pool that places by device asks which GPU is current (a runtime
   // call, but one that takes no lock and no driver round trip).
@@ -116,29 +129,38 @@ at::Tensor pool_empty(std::int64_t pool_id, at::IntArrayRef sizes, at::ScalarTyp
   try {
     block = pool->allocate(nbytes, device);
   } catch (const pool::PoolCapacityError& e) {
-    TORCH_CHECK_WITH(OutOfMemoryError, false, e.what());
+    HF_CHECK_OOM(false, e.what());
   } catch (const pool::PoolError& e) {
-    TORCH_CHECK(false, e.what());
+    HF_CHECK(false, e.what());
   }
-  auto* context = new PoolBlock{pool, block.host};
-  c10::DataPtr data(block.host, context, &delete_pool_block, c10::Device(c10::kCPU));
-  c10::Storage storage(c10::Storage::use_byte_size_t(), nbytes, std::move(data), /*allocator=*/nullptr,
-                       /*resizable=*/false);
-  // Built directly rather than by at::empty + set_: two dispatcher round trips
-  // fewer on the allocation hot path.
-  at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(std::move(storage), c10::DispatchKeySet(c10::DispatchKey::CPU),
-                                                          c10::scalarTypeToTypeMeta(dtype));
-  t.unsafeGetTensorImpl()->set_sizes_contiguous(sizes);
-  return t;
+  Shape strides(sizes.size(), 1);
+  for (std::size_t i = sizes.size(); i-- > 1;) strides[i - 1] = strides[i] * std::max<std::int64_t>(sizes[i], 1);
+  try {
+    return torch::stable::from_blob(block.host, sizes, strides, cpu, dtype, PoolBlock{pool, block.host});
+  } catch (...) {
+    pool->deallocate(block.host);  // torch refused the blob: the block was never handed out
+    throw;
+  }
 }
 
-bool record_pool_use(const at::Tensor& t, int device, void* stream) {
-  const PoolBlock* block = pool_block_of(t);
-  if (block == nullptr) return false;
-  block->pool->record_use(block->host, pool::StreamUse{device, stream});
+bool record_pool_use(const Tensor& t, int device, void* stream) {
+  void* block = nullptr;
+  auto pool = pool_of(t, block);
+  if (!pool) return false;
+  pool->record_use(block, pool::StreamUse{device, stream});
   return true;
 }
 
-TORCH_LIBRARY_IMPL(hipferry, CompositeExplicitAutograd, m) { m.impl("pool_empty", &pool_empty); }
+namespace {
+
+Tensor pool_empty_op(std::int64_t pool, std::vector<std::int64_t> size, ScalarType dtype, std::int64_t for_device) {
+  return tag_op_errors([&] { return pool_empty(pool, size, dtype, for_device); });
+}
+
+}  // namespace
 
 }  // namespace hipferry
+
+STABLE_TORCH_LIBRARY_IMPL(hipferry, CompositeExplicitAutograd, m) {
+  m.impl("pool_empty", TORCH_BOX(&hipferry::pool_empty_op));
+}

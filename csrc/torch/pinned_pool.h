@@ -3,13 +3,13 @@
 // and stream-use recording for tensors that came from a pool.
 #pragma once
 
-#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <memory>
 #include <string>
 
 #include "csrc/core/host_pool/host_pool.h"
+#include "csrc/torch/stable.h"
 
 namespace hipferry {
 
@@ -31,11 +31,13 @@ void destroy_pinned_pool(std::int64_t id);
 // the block goes back when the storage dies (every view of it included).
 // `for_device`: the GPU whose copies will use it, for NUMA placement; -1: the
 // current GPU (when the pool places by device and there is one).
-at::Tensor pool_empty(std::int64_t pool_id, at::IntArrayRef sizes, at::ScalarType dtype,
-                      std::int64_t for_device = -1);
+// Throws ValueError for bad arguments, OutOfMemory over the pool's capacity.
+Tensor pool_empty(std::int64_t pool_id, const Shape& sizes, ScalarType dtype, std::int64_t for_device = -1);
 
-// If `t`'s storage is a pool block, notes that `stream` on `device` uses it
-// (deallocation then waits for that work). Returns false for other tensors.
-bool record_pool_use(const at::Tensor& t, int device, void* stream);
+// If `t`'s data lies in a block of an open pool, notes that `stream` on
+// `device` uses it (deallocation then waits for that work). Returns false for
+// other tensors. Pool tensors are recognised by address (HostPool::owns): the
+// stable ABI shows no storage deleter to compare.
+bool record_pool_use(const Tensor& t, int device, void* stream);
 
 }  // namespace hipferry

@@ -1,7 +1,6 @@
 // Python bindings of the pinned pool (hipferry._C.*pinned_pool*, pool_*).
 // Tensors are made by the op torch.ops.hipferry.pool_empty; these functions
 // manage pools by id. python/hipferry/pool.py is the public wrapper.
-#include <ATen/ops/empty.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 

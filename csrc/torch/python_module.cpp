@@ -10,6 +10,7 @@
 #include "csrc/core/cpu/cpu_isa.h"
 #include "hip/pinned_memory.h"
 #include "csrc/core/host_pool/numa_topology.h"
+#include "csrc/torch/tensor_bridge.h"
 #include "hip/runtime.h"
 
 namespace py = pybind11;
@@ -25,6 +26,8 @@ py::dict build_info() {
   d["runtime_version"] = b.runtime_version;
   d["driver_version"] = b.driver_version;
   d["torch_version_built_against"] = HIPFERRY_TORCH_VERSION;
+  // How tensors cross to Python in this process (Note [tensor bridge]).
+  d["tensor_bridge"] = tensor_bridge_kind();
   d["cpu_f16c"] = copy_cast_cpu_uses_f16c();
   // The build of the CPU loops in use (HIPFERRY_CPU_ISA), and the best this CPU runs.
   d["cpu_isa"] = cpu::isa_name(cpu::active_isa());

@@ -3,12 +3,14 @@
 // python/hipferry/transfer.py and trace.py are the public wrappers.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
-#include <torch/csrc/utils/pybind.h>  // at::Tensor <-> torch.Tensor, ScalarType, Device
 
 #include <optional>
 #include <stdexcept>
+#include <string>
 
 #include "csrc/torch/python_errors.h"
+#include "csrc/torch/stable.h"
+#include "csrc/torch/tensor_bridge.h"
 #include "hip/trace_session.h"
 #include "csrc/torch/transfer_engine.h"
 
@@ -17,15 +19,39 @@ namespace py = pybind11;
 namespace hipferry {
 namespace {
 
-std::shared_ptr<Transfer> start(TransferKind kind, std::vector<at::Tensor> sources, c10::Device device,
-                                std::optional<at::ScalarType> dtype, std::int64_t pool_id) {
-  TransferRequest r;
-  r.kind = kind;
-  r.sources = std::move(sources);
-  r.device = device;
-  r.dtype = dtype;
-  r.pool_id = pool_id;
-  return translate_errors([&] { return start_transfer(std::move(r)); });
+// Called with the GIL held: the arguments are read (tensors through the
+// bridge) with it, then the GIL is released for the transfer's start, which
+// may wait (pool capacity, a producer event) and lets go of tensors.
+// `device`: a torch.device or its spelling; `dtype`: None or a torch.dtype.
+std::shared_ptr<Transfer> start(TransferKind kind, py::handle sources, py::handle device, py::handle dtype,
+                                std::int64_t pool_id) {
+  return translate_errors([&] {
+    const bool prefetch = kind == TransferKind::kPrefetch;
+    TransferRequest r;
+    r.kind = kind;
+    r.sources = tensors_from_python(sources, prefetch ? "hipferry.prefetch: tensors" : "hipferry.offload: tensors");
+    if (prefetch) r.device = parse_device(py::str(device), "hipferry.prefetch: device");
+    if (!dtype.is_none()) {
+      r.dtype = parse_dtype(py::str(dtype), prefetch ? "hipferry.prefetch: dtype" : "hipferry.offload: dtype");
+    }
+    r.pool_id = pool_id;
+    py::gil_scoped_release no_gil;
+    return start_transfer(std::move(r));
+  });
+}
+
+// Hands the results over: (list of tensors, whether each must be recorded on
+// the current stream), see Transfer::Waited. The wait runs without the GIL;
+// the results cross into Python with it.
+py::tuple wait(Transfer& t) {
+  return translate_errors([&] {
+    Transfer::Waited waited;
+    {
+      py::gil_scoped_release no_gil;
+      waited = t.wait();
+    }
+    return py::make_tuple(tensors_to_python(waited.results), waited.record_on_current_stream);
+  });
 }
 
 py::tuple trace_stop() {
@@ -58,26 +84,31 @@ py::tuple trace_stop() {
 void bind_transfers(py::module_& m) {
   // Every method releases the GIL: one may block, and all of them may let go
   // of tensors, which can take the GIL (see Transfer in transfer_engine.h).
+  // wait() returns (results, record_on_current_stream): python/hipferry/transfer.py
+  // records the results on the current stream when told to.
   py::class_<Transfer, std::shared_ptr<Transfer>>(m, "Transfer")
-      .def("wait", [](Transfer& t) { return translate_errors([&] { return t.wait(); }); },
-           py::call_guard<py::gil_scoped_release>())
+      .def("wait", &wait)
       .def("ready", [](Transfer& t) { return translate_errors([&] { return t.ready(); }); },
            py::call_guard<py::gil_scoped_release>())
       .def("synchronize", [](Transfer& t) { translate_errors([&] { t.synchronize(); }); },
            py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("device", &Transfer::device)
+      .def_property_readonly("device",  // a torch.device
+                             [](const Transfer& t) {
+                               return py::module_::import("torch").attr("device")(device_name(t.device()));
+                             })
       .def_property_readonly("nbytes", &Transfer::nbytes)
       .def_property_readonly("num_tensors", &Transfer::num_tensors);
+  // start_*: the GIL is released once the arguments are read (see start).
   m.def("start_prefetch",
-        [](std::vector<at::Tensor> sources, c10::Device device, std::optional<at::ScalarType> dtype,
-           std::int64_t pool) { return start(TransferKind::kPrefetch, std::move(sources), device, dtype, pool); },
-        py::arg("sources"), py::arg("device"), py::arg("dtype"), py::arg("pool"),
-        py::call_guard<py::gil_scoped_release>());  // may wait: pool capacity, a producer event
-  m.def("start_offload",
-        [](std::vector<at::Tensor> sources, std::optional<at::ScalarType> dtype, std::int64_t pool) {
-          return start(TransferKind::kOffload, std::move(sources), c10::Device(c10::kCPU), dtype, pool);
+        [](py::object sources, py::object device, py::object dtype, std::int64_t pool) {
+          return start(TransferKind::kPrefetch, sources, device, dtype, pool);
         },
-        py::arg("sources"), py::arg("dtype"), py::arg("pool"), py::call_guard<py::gil_scoped_release>());
+        py::arg("sources"), py::arg("device"), py::arg("dtype"), py::arg("pool"));
+  m.def("start_offload",
+        [](py::object sources, py::object dtype, std::int64_t pool) {
+          return start(TransferKind::kOffload, sources, py::none(), dtype, pool);
+        },
+        py::arg("sources"), py::arg("dtype"), py::arg("pool"));
   m.def("transfer_stats", [] {
     const TransferStats s = transfer_stats();
     py::dict d;

@@ -1,15 +1,11 @@
-// The transfer engine's ATen layer: checks a request, allocates the results,
+// The transfer engine's torch layer: checks a request, allocates the results,
 // resolves tensors into raw copy items and hands them to a path
 // (csrc/engine/transfer_paths.cpp); the Transfer handle owns the tensors and
 // hands them to the engine's release list (csrc/engine/engine.h).
 #include "csrc/torch/transfer_engine.h"
 
-#include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
-#include <c10/core/TensorImpl.h>
-#include <c10/core/impl/COW.h>
-
 #include <atomic>
+#include <exception>
 #include <functional>
 #include <string>
 #include <utility>
@@ -18,6 +14,7 @@
 #include "csrc/torch/copy_cast_checks.h"
 #include "csrc/torch/current_stream.h"
 #include "csrc/torch/pinned_pool.h"
+#include "csrc/torch/stable.h"
 #include "hip/trace_session.h"
 #include "csrc/engine/engine.h"
 #include "csrc/engine/transfer_paths.h"
@@ -27,36 +24,95 @@ namespace {
 
 using engine::Completion;
 using engine::Engine;
+using Layout = torch::headeronly::Layout;
 
 // What a handle hands the release list: its tensors, type-erased.
-std::shared_ptr<void> holding_of(std::vector<at::Tensor> tensors) {
+std::shared_ptr<void> holding_of(std::vector<Tensor> tensors) {
   if (tensors.empty()) return nullptr;
-  return std::make_shared<std::vector<at::Tensor>>(std::move(tensors));
+  return std::make_shared<std::vector<Tensor>>(std::move(tensors));
 }
 
-// The ATen layer's engine context: torch's thread pool.
+// The torch layer's engine context: torch's thread pool.
 engine::PathContext context_of(Engine& e, std::shared_ptr<pool::HostPool> pool) {
   return e.context(std::move(pool), [](std::int64_t n, std::int64_t grain,
                                        const std::function<void(std::int64_t, std::int64_t)>& body) {
-    at::parallel_for(0, n, grain, body);
+    torch::stable::parallel_for(0, n, grain, body);
   });
 }
 
-// "torch.float16", as Python users spell it.
-std::string dtype_name(at::ScalarType t) { return "torch." + std::string(c10::getDtypeNames(t).first); }
-
-bool convertible(at::ScalarType t) {
-  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+// "Sparse", as c10 prints a layout (the stable headers have no operator<<).
+const char* layout_name(Layout l) {
+  switch (l) {
+    case Layout::Strided: return "Strided";
+    case Layout::Sparse: return "Sparse";
+    case Layout::SparseCsr: return "SparseCsr";
+    case Layout::SparseCsc: return "SparseCsc";
+    case Layout::SparseBsr: return "SparseBsr";
+    case Layout::SparseBsc: return "SparseBsc";
+    case Layout::Mkldnn: return "Mkldnn";
+    case Layout::Jagged: return "Jagged";
+    default: return "(unknown)";
+  }
 }
 
+// The dtype of `t` where the stable ABI names it. It names no quantized
+// dtype (nor a few exotic ones): then nullopt, with libtorch's code for the
+// dtype in `code` (c10's ScalarType numbering, for the message only).
+std::optional<ScalarType> plain_dtype(const Tensor& t, std::int32_t& code) {
+  code = -1;
+  try {
+    return t.scalar_type();
+  } catch (const std::exception&) {
+    if (aoti_torch_get_dtype(t.get(), &code) != AOTI_TORCH_SUCCESS) code = -1;
+    return std::nullopt;
+  }
+}
+
+// "torch.qint8" for a code `plain_dtype` gave, when it is a quantized one.
+std::string quantized_name(std::int32_t code) {
+  for (ScalarType q : {ScalarType::QInt8, ScalarType::QUInt8, ScalarType::QInt32, ScalarType::QUInt4x2,
+                       ScalarType::QUInt2x4}) {
+    if (code == static_cast<std::int32_t>(q)) return dtype_name(q);
+  }
+  return "";
+}
+
+// Grad mode off on this thread while sources are prepared: the engine's
+// tensors are data only (a view, copy or clone made here records no autograd
+// graph, as the directly built tensors of the ATen version did not).
+class NoGradScope {
+ public:
+  NoGradScope() : was_(aoti_torch_grad_mode_is_enabled()) {
+    if (was_) aoti_torch_grad_mode_set_enabled(false);
+  }
+  ~NoGradScope() {
+    if (was_) aoti_torch_grad_mode_set_enabled(true);
+  }
+  NoGradScope(const NoGradScope&) = delete;
+  NoGradScope& operator=(const NoGradScope&) = delete;
+
+ private:
+  bool was_;
+};
+
 // The device address of a host tensor's data when it is pinned and mapped.
-void* mapped_address(const at::Tensor& t) {
+void* mapped_address(const Tensor& t) {
   if (t.numel() == 0) return nullptr;
-  // data(), not mutable_data(): asking must not materialize a copy-on-write storage.
-  auto* base = static_cast<const char*>(t.storage().data());
+  // const_data_ptr, not data_ptr: asking must not materialize a copy-on-write storage.
+  const char* data = static_cast<const char*>(t.const_data_ptr());
+  const char* base = data - t.storage_offset() * static_cast<std::int64_t>(t.element_size());  // the storage's start
   void* mapped = rt::host_device_pointer_or_null(const_cast<char*>(base));
   if (mapped == nullptr) return nullptr;
-  return static_cast<char*>(mapped) + (static_cast<const char*>(t.const_data_ptr()) - base);
+  return static_cast<char*>(mapped) + (data - base);
+}
+
+// "cuda:0", or what to say of a device the stable ABI does not name.
+std::string device_of(const Tensor& t) {
+  try {
+    return device_name(t.device());
+  } catch (const std::exception&) {
+    return "a device hipferry cannot name through torch's stable ABI";
+  }
 }
 
 // A source the copy reads later (on the worker, or on a stream), held so that
@@ -69,29 +125,45 @@ void* mapped_address(const at::Tensor& t) {
 //     a free leaves the clone's data in place;
 //   * other memory (pinned, device): an alias -- a TensorImpl of its own over
 //     the same Storage, which stays alive whatever the caller's tensor then
-//     points at (the pool's storages cannot be resized).
+//     points at (the pool's storages cannot be resized). aten::detach makes
+//     it: unlike aten::alias (an autograd view), it keeps no reference to the
+//     caller's tensor (whose Python object would then live as long).
+// A storage that cannot be cloned lazily (memory with a deleter of its own:
+// torch.from_numpy, a file mapping) is aliased, as pinned memory is.
 // A source made here (made contiguous, conjugate or negation resolved) is
-// already the engine's own.
-// Built directly (no dispatcher call: this runs for every source of every
-// transfer, and a few microseconds matter at 4 KiB).
-at::Tensor held_source(const at::Tensor& given, at::Tensor src) {
-  if (!src.is_same(given) || !src.has_storage()) return src;
-  c10::Storage storage = src.storage();
-  if (src.is_cpu()) {
-    c10::StorageImpl& impl = *storage.unsafeGetStorageImpl();
-    if (c10::impl::cow::has_simple_data_ptr(impl) || c10::impl::cow::is_cow_data_ptr(impl.data_ptr())) {
-      if (auto clone = c10::impl::cow::lazy_clone_storage(impl)) storage = c10::Storage(std::move(clone));
+// already the engine's own: its data is not the given tensor's (the stable
+// ABI shows no TensorImpl to compare, the data pointer tells). Called with
+// grad mode off (NoGradScope): aten::_lazy_clone records no graph.
+// `pinned`: host memory that is page-locked and mapped.
+Tensor held_source(const Tensor& given, Tensor src, bool pinned) {
+  if (src.numel() == 0 || src.const_data_ptr() != given.const_data_ptr()) return src;  // no data, or ours
+  if (src.is_cpu() && !pinned) {
+    try {
+      return call_aten("aten::_lazy_clone", "", src);
+    } catch (const std::exception&) {  // not a simple storage: aliased below
     }
   }
-  auto held = c10::make_intrusive<c10::TensorImpl>(std::move(storage), src.key_set(), src.dtype());
-  held->set_sizes_and_strides(src.sizes(), src.strides(), src.storage_offset());
-  return at::Tensor(std::move(held));
+  return call_aten("aten::detach", "", src);
 }
 
-engine::CopyItem item_of(const at::Tensor& src, const at::Tensor& dst) {
+// A source as the copy reads it: lazy conjugate / negative views
+// materialized (the copy moves bytes), made contiguous. The conjugate bit
+// exists only on complex tensors; the negative bit on any (torch._neg_view),
+// and the stable ABI cannot ask for it: resolve_neg is always called (it
+// returns the tensor itself when the bit is clear).
+Tensor copy_source(const Tensor& t, ScalarType type) {
+  const bool complex =
+      type == ScalarType::ComplexHalf || type == ScalarType::ComplexFloat || type == ScalarType::ComplexDouble;
+  Tensor src = complex ? call_aten("aten::resolve_conj", "", t) : t;
+  src = call_aten("aten::resolve_neg", "", src);
+  if (!src.is_contiguous()) src = torch::stable::contiguous(src);
+  return src;
+}
+
+engine::CopyItem item_of(const Tensor& src, const Tensor& dst) {
   engine::CopyItem it;
   it.src = src.const_data_ptr();
-  it.dst = dst.data_ptr();
+  it.dst = dst.mutable_data_ptr();
   it.elements = src.numel();
   it.src_element_bytes = src.element_size();
   it.dst_element_bytes = dst.element_size();
@@ -109,10 +181,10 @@ std::uint64_t fork_generation() { return Engine::fork_generation(); }
 
 Transfer::~Transfer() {
   if (state_ != State::kPending) return;
-  std::vector<at::Tensor> holdings = std::move(keepalive_);
+  std::vector<Tensor> holdings = std::move(keepalive_);
   for (auto& t : results_) holdings.push_back(std::move(t));
   if (generation_ != fork_generation()) {  // a parent's transfer in a forked child: nothing ran here
-    new std::vector<at::Tensor>(std::move(holdings));  // never touched again: no deleter runs in the child
+    new std::vector<Tensor>(std::move(holdings));  // never touched again: no deleter runs in the child
     return;
   }
   try {
@@ -122,7 +194,7 @@ Transfer::~Transfer() {
       Engine::get().release_after(completion_, holding_of(std::move(holdings)));
     }
   } catch (...) {  // a destructor must not throw; keep the holdings (a leak, never a use after free)
-    new std::vector<at::Tensor>(std::move(holdings));
+    new std::vector<Tensor>(std::move(holdings));
   }
 }
 
@@ -143,7 +215,7 @@ void Transfer::sync_streams_quietly() const {
   }
 }
 
-void Transfer::settle_locked(std::vector<at::Tensor>& dropped) {
+void Transfer::settle_locked(std::vector<Tensor>& dropped) {
   if (state_ != State::kPending || !outcome_ || !outcome_->failed()) return;
   state_ = State::kFailed;
   error_ = outcome_->error();
@@ -167,7 +239,7 @@ bool Transfer::ready() {
 void Transfer::synchronize() {
   check_same_process("synchronize");
   if (completion_.ticket != 0) Engine::get().worker().wait(completion_.ticket);
-  std::vector<at::Tensor> dropped;
+  std::vector<Tensor> dropped;
   std::string error;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -180,7 +252,7 @@ void Transfer::synchronize() {
   if (completion_.event) completion_.event->synchronize();
 }
 
-std::vector<at::Tensor> Transfer::wait() {
+Transfer::Waited Transfer::wait() {
   check_same_process("wait");
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -191,8 +263,9 @@ std::vector<at::Tensor> Transfer::wait() {
   // Pageable sources: the staging must have queued everything before the
   // completion event means anything.
   if (completion_.ticket != 0) Engine::get().worker().wait(completion_.ticket);
-  std::vector<at::Tensor> results, holdings;
+  std::vector<Tensor> results, holdings;
   std::string error;
+  bool record = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     HF_CHECK(state_ != State::kWaited,
@@ -221,9 +294,10 @@ std::vector<at::Tensor> Transfer::wait() {
       if (alloc_stream_ != current) {
         // Results were allocated on the stream current at prefetch(); used
         // on this one, torch's allocator must also wait for this stream's
-        // work before reusing them (what t.record_stream(current) does).
+        // work before reusing them: the caller records them on it
+        // (t.record_stream(current), from Python: the stable ABI has none).
         completion_.event->block_stream(alloc_stream_);
-        for (const at::Tensor& t : results) record_on_current_stream(t, copy_device_);
+        record = true;
       }
     } else if (completion_.event) {
       completion_.event->synchronize();  // the consumer is the host
@@ -238,7 +312,10 @@ std::vector<at::Tensor> Transfer::wait() {
   if (device_.is_cuda()) Engine::get().release_after(completion_, holding_of(std::move(holdings)));
   holdings.clear();
   Engine::get().poll();
-  return results;
+  Waited waited;
+  waited.results = std::move(results);
+  waited.record_on_current_stream = record && !waited.results.empty();
+  return waited;
 }
 
 std::shared_ptr<Transfer> start_transfer(TransferRequest r) {
@@ -248,80 +325,108 @@ std::shared_ptr<Transfer> start_transfer(TransferRequest r) {
   const char* api = prefetch ? "hipferry.prefetch" : "hipferry.offload";
 
   // --- arguments (nothing is allocated or queued until all are checked) ---
-  c10::Device where = prefetch ? r.device : c10::Device(c10::kCPU);
+  Device where = prefetch ? r.device : Device(DeviceType::CPU);
+  std::vector<ScalarType> types;  // each source's dtype
+  types.reserve(r.sources.size());
   for (std::size_t i = 0; i < r.sources.size(); ++i) {
-    const at::Tensor& t = r.sources[i];
+    const Tensor& t = r.sources[i];
     HF_CHECK_VALUE(t.defined(), api, ": tensors[", i, "] is an undefined tensor; expected a tensor");
-    HF_CHECK_VALUE(t.layout() == at::kStrided, api, ": tensors[", i, "] has layout ", t.layout(),
+    const Layout layout = t.layout();
+    HF_CHECK_VALUE(layout == Layout::Strided, api, ": tensors[", i, "] has layout ", layout_name(layout),
                    "; expected strided (dense) tensors");
-    HF_CHECK_VALUE(!t.is_quantized(), api, ": tensors[", i, "] is quantized (", dtype_name(t.scalar_type()),
-                   "); expected a plain dtype (move t.int_repr() and the quantization parameters instead)");
-    if (prefetch) {
-      HF_CHECK_VALUE(t.is_cpu(), api, ": tensors[", i, "] is on ", t.device(),
-                     "; expected host (CPU) tensors to move to ", r.device);
-    } else {
-      HF_CHECK_VALUE(t.is_cpu() || t.is_cuda(), api, ": tensors[", i, "] is on ", t.device(),
-                     "; expected tensors on a GPU (or the CPU)");
-      if (i == 0) where = t.device();
-      HF_CHECK_VALUE(t.device() == where, api, ": tensors[", i, "] is on ", t.device(), " but tensors[0] is on ",
-                     where, "; expected every tensor on one device");
+    std::int32_t code = -1;
+    const std::optional<ScalarType> type = plain_dtype(t, code);
+    if (!type) {
+      const std::string quantized = quantized_name(code);
+      HF_CHECK_VALUE(quantized.empty(), api, ": tensors[", i, "] is quantized (", quantized,
+                     "); expected a plain dtype (move t.int_repr() and the quantization parameters instead)");
+      HF_CHECK_VALUE(false, api, ": tensors[", i, "] has a dtype (code ", code,
+                     ") that hipferry cannot name through torch's stable ABI; expected a plain dtype");
     }
-    if (r.dtype && *r.dtype != t.scalar_type()) {
-      HF_CHECK_VALUE(convertible(t.scalar_type()) && convertible(*r.dtype), api, ": dtype ",
-                     dtype_name(*r.dtype), " cannot be produced from tensors[", i, "] of dtype ",
-                     dtype_name(t.scalar_type()),
+    if (prefetch) {
+      HF_CHECK_VALUE(t.is_cpu(), api, ": tensors[", i, "] is on ", device_of(t),
+                     "; expected host (CPU) tensors to move to ", device_name(r.device));
+    } else {
+      HF_CHECK_VALUE(t.is_cpu() || t.is_cuda(), api, ": tensors[", i, "] is on ", device_of(t),
+                     "; expected tensors on a GPU (or the CPU)");
+      const Device on = t.device();
+      if (i == 0) where = on;
+      HF_CHECK_VALUE(on == where, api, ": tensors[", i, "] is on ", device_name(on), " but tensors[0] is on ",
+                     device_name(where), "; expected every tensor on one device");
+    }
+    if (r.dtype && *r.dtype != *type) {
+      HF_CHECK_VALUE(is_float_convertible(*type) && is_float_convertible(*r.dtype), api, ": dtype ",
+                     dtype_name(*r.dtype), " cannot be produced from tensors[", i, "] of dtype ", dtype_name(*type),
                      "; expected conversions among float32, float16 and bfloat16 (or dtype=None)");
     }
+    types.push_back(*type);
   }
-  HF_CHECK_VALUE(where.is_cpu() || where.is_cuda(), api, ": device ", where,
+  HF_CHECK_VALUE(where.is_cpu() || where.is_cuda(), api, ": device ", device_name(where),
                  " is not supported; expected 'cpu' or a GPU ('cuda', 'cuda:N')");
   const bool gpu = where.is_cuda();
   int device = -1;
   if (gpu) {
     const int count = rt::device_count();
-    HF_CHECK_VALUE(rt::build_info().platform != "cpu", api, ": device ", where,
+    HF_CHECK_VALUE(rt::build_info().platform != "cpu", api, ": device ", device_name(where),
                    " needs a GPU build of hipferry, but this one is CPU-only; expected device='cpu'");
-    HF_CHECK_VALUE(count > 0, api, ": device ", where, " does not exist: hipferry sees no GPU here; expected "
-                   "device='cpu'");
+    HF_CHECK_VALUE(count > 0, api, ": device ", device_name(where),
+                   " does not exist: hipferry sees no GPU here; expected device='cpu'");
     device = where.has_index() ? where.index() : current_torch_device();
     HF_CHECK_VALUE(device >= 0 && device < count, api, ": device cuda:", device, " does not exist; hipferry sees ",
                    count, " GPU(s)");
-    where = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device));
+    where = Device(DeviceType::CUDA, static_cast<torch::stable::DeviceIndex>(device));
   }
   auto pool = pinned_pool(r.pool_id);
   HF_CHECK(!pool->closed(), api, ": the pool is closed; expected an open PinnedPool");
 
   auto handle = std::make_shared<Transfer>();
   handle->generation_ = fork_generation();
-  handle->device_ = prefetch ? where : c10::Device(c10::kCPU);
+  handle->device_ = prefetch ? where : Device(DeviceType::CPU);
   handle->results_count_ = r.sources.size();
 
   // --- results; sources made contiguous (on the current stream when on a GPU) ---
-  std::vector<at::Tensor> sources, results;
-  for (const at::Tensor& t : r.sources) {
-    // Lazy conjugate / negative views are materialized: the copy moves bytes.
-    at::Tensor src = t.resolve_conj().resolve_neg().contiguous();
-    const at::ScalarType out_type = r.dtype.value_or(t.scalar_type());
-    // Host results come from the pool: cached blocks, so a copy does not pay
-    // for faulting in fresh pages (which costs more than the copy itself).
-    at::Tensor dst = gpu && prefetch ? at::empty(t.sizes(), at::TensorOptions().dtype(out_type).device(where))
-                                     : pool_empty(r.pool_id, t.sizes(), out_type,  // OutOfMemoryError: nothing queued
-                                                  t.is_cpu() ? -1 : t.device().index());
-    handle->nbytes_ += dst.nbytes();
-    sources.push_back(std::move(src));
-    results.push_back(std::move(dst));
-  }
-  // A small host copy runs before start_transfer returns (the path's own rule,
-  // on the same destination bytes): its sources need no holding.
-  const bool copied_now = !gpu && engine::host_copy_runs_inline(handle->nbytes_);
-  if (!copied_now) {
-    for (std::size_t i = 0; i < sources.size(); ++i) sources[i] = held_source(r.sources[i], std::move(sources[i]));
+  std::vector<Tensor> sources, results;
+  // Each source's mapped device address (pinned memory), where a path asks; else nullptr.
+  std::vector<void*> mapped;
+  bool copied_now = false;
+  sources.reserve(r.sources.size());
+  results.reserve(r.sources.size());
+  {
+    const NoGradScope no_grad;  // the engine's tensors record no graph
+    for (std::size_t i = 0; i < r.sources.size(); ++i) {
+      const Tensor& t = r.sources[i];
+      Tensor src = copy_source(t, types[i]);
+      const ScalarType out_type = r.dtype.value_or(types[i]);
+      // Host results come from the pool: cached blocks, so a copy does not pay
+      // for faulting in fresh pages (which costs more than the copy itself).
+      Tensor dst = gpu && prefetch ? torch::stable::empty(t.sizes(), out_type, std::nullopt, where)
+                                   : pool_empty(r.pool_id, shape_of(t), out_type,  // OutOfMemoryError: nothing queued
+                                                t.is_cpu() ? -1 : t.device().index());
+      handle->nbytes_ += nbytes_of(dst);
+      sources.push_back(std::move(src));
+      results.push_back(std::move(dst));
+    }
+    // Host sources: the GPU prefetch reads pinned ones directly; the host
+    // path waits for the current stream before reading pinned ones. The
+    // CPU-only build (no device) pins nothing.
+    mapped.assign(sources.size(), nullptr);
+    if ((gpu && prefetch) || (!gpu && rt::device_count() > 0)) {
+      for (std::size_t i = 0; i < sources.size(); ++i) mapped[i] = mapped_address(sources[i]);
+    }
+    // A small host copy runs before start_transfer returns (the path's own rule,
+    // on the same destination bytes): its sources need no holding.
+    copied_now = !gpu && engine::host_copy_runs_inline(handle->nbytes_);
+    if (!copied_now) {
+      for (std::size_t i = 0; i < sources.size(); ++i) {
+        sources[i] = held_source(r.sources[i], std::move(sources[i]), mapped[i] != nullptr);
+      }
+    }
   }
   std::vector<engine::CopyItem> items;
   for (std::size_t i = 0; i < sources.size(); ++i) {
     if (sources[i].numel() == 0) continue;
     engine::CopyItem it = item_of(sources[i], results[i]);
-    if (gpu && prefetch) it.src_mapped = mapped_address(sources[i]);
+    if (gpu && prefetch) it.src_mapped = mapped[i];
     if (gpu && !prefetch) {
       it.dst_mapped = mapped_address(results[i]);
       HF_CHECK_VALUE(!it.convert || it.dst_mapped != nullptr, api, ": dtype conversion on the way to the host ",
@@ -340,9 +445,7 @@ std::shared_ptr<Transfer> start_transfer(TransferRequest r) {
     // current stream: the host copy waits for it (pageable memory cannot be).
     std::shared_ptr<rt::Event> produced;
     bool any_pinned = false;
-    if (rt::device_count() > 0) {  // 0 on the CPU-only build
-      for (const at::Tensor& t : sources) any_pinned = any_pinned || mapped_address(t) != nullptr;
-    }
+    for (void* m : mapped) any_pinned = any_pinned || m != nullptr;
     if (any_pinned) {
       const int current = current_torch_device();
       rt::DeviceGuard guard(current);
@@ -364,13 +467,13 @@ std::shared_ptr<Transfer> start_transfer(TransferRequest r) {
     handle->completion_.event = done;
     try {
       if (prefetch) {
-        std::vector<at::Tensor>& keep = handle->keepalive_;
-        const auto scratch = [&keep, device](std::size_t bytes) -> void* {
+        std::vector<Tensor>& keep = handle->keepalive_;
+        const Device on(DeviceType::CUDA, static_cast<torch::stable::DeviceIndex>(device));
+        const auto scratch = [&keep, on](std::size_t bytes) -> void* {
           // On the current (producer) stream, before the copy's start event: the
           // copy is ordered after earlier uses of this memory.
-          keep.push_back(at::empty({static_cast<std::int64_t>(bytes)},
-                                   at::TensorOptions().dtype(at::kByte).device(c10::kCUDA, device)));
-          return keep.back().data_ptr();
+          keep.push_back(torch::stable::empty({static_cast<std::int64_t>(bytes)}, ScalarType::Byte, std::nullopt, on));
+          return keep.back().mutable_data_ptr();
         };
         handle->completion_.ticket = engine::run_host_to_device(ctx, std::move(items), device, streams, done,
                                                                 scratch, handle->outcome_);

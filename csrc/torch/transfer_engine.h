@@ -37,14 +37,19 @@
 //     holdings are kept (a leak, never a use after free);
 //   * pool blocks used by a copy go back through HostPool::record_use, so the
 //     pool reuses them only after the copy;
-//   * the worker never owns an at::Tensor (dropping one may need the GIL that
-//     a waiting caller holds); it sees raw pointers that the handle keeps
+//   * device results are torch's memory, not ours: when wait() hands them to
+//     another stream than the one they were allocated on, it says so and the
+//     Python wrapper records them on the consumer's stream (t.record_stream(
+//     torch.cuda.current_stream(t.device)), python/hipferry/transfer.py) --
+//     the only record_stream, and never on memory we allocated;
+//   * the worker never owns a Tensor (dropping one may need the GIL that a
+//     waiting caller holds); it sees raw pointers that the handle keeps
 //     valid, and reports errors through an Outcome every waiter reads;
 //   * no lock is held across a runtime call, a worker wait, or while tensors
-//     die; the Python bindings release the GIL around every call.
+//     die; the Python bindings release the GIL around every call that may
+//     block or let go of tensors (tensors cross into and out of Python with
+//     the GIL held, before and after).
 #pragma once
-
-#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <memory>
@@ -56,6 +61,7 @@
 #include "csrc/core/schedule/outcome.h"
 #include "csrc/core/transfer/serial_worker.h"
 #include "csrc/engine/engine.h"
+#include "csrc/torch/stable.h"
 #include "hip/runtime.h"
 
 namespace hipferry {
@@ -64,9 +70,9 @@ enum class TransferKind { kPrefetch, kOffload };
 
 struct TransferRequest {
   TransferKind kind = TransferKind::kPrefetch;
-  std::vector<at::Tensor> sources;
-  c10::Device device{c10::kCPU};  // prefetch: the destination; offload: ignored
-  std::optional<at::ScalarType> dtype;  // nullopt: keep each source's dtype
+  std::vector<Tensor> sources;
+  Device device{DeviceType::CPU};    // prefetch: the destination; offload: ignored
+  std::optional<ScalarType> dtype;   // nullopt: keep each source's dtype
   std::int64_t pool_id = 0;             // staging blocks and offload destinations
 };
 
@@ -86,12 +92,21 @@ class Transfer {
   bool ready();
   // Blocks the calling thread until the copy has finished; throws its error.
   void synchronize();
+  struct Waited {
+    std::vector<Tensor> results;
+    // Device results allocated on another stream than the caller's current
+    // one: the caller must record each on its current stream
+    // (t.record_stream(torch.cuda.current_stream(t.device))) before using
+    // them, so that torch's allocator reuses their memory only after that
+    // stream's work (the stable ABI has no record_stream).
+    bool record_on_current_stream = false;
+  };
   // Hands the results over, once. Device results: the caller's current stream
   // waits for the copy (the host waits only for the worker's staging of
   // pageable sources). Host results: the host waits.
-  std::vector<at::Tensor> wait();
+  Waited wait();
 
-  c10::Device device() const { return device_; }
+  Device device() const { return device_; }
   std::size_t nbytes() const { return nbytes_; }
   std::size_t num_tensors() const { return results_count_; }
 
@@ -100,7 +115,7 @@ class Transfer {
   enum class State { kPending, kWaited, kFailed };
   // After the worker part: marks the transfer failed if the worker said so,
   // moving what it held into `dropped` (the caller lets go of it unlocked).
-  void settle_locked(std::vector<at::Tensor>& dropped);
+  void settle_locked(std::vector<Tensor>& dropped);
   void sync_streams_quietly() const;  // after a failure, before letting go of anything
   void check_same_process(const char* what) const;  // throws in a forked child
 
@@ -112,15 +127,15 @@ class Transfer {
   rt::StreamHandle copy_stream_ = nullptr;     // hipferry's stream of this direction
   rt::StreamHandle staging_stream_ = nullptr;  // the worker's stream (prefetch)
   rt::StreamHandle alloc_stream_ = nullptr;    // where device results were allocated
-  c10::Device device_{c10::kCPU};
+  Device device_{DeviceType::CPU};
   std::size_t nbytes_ = 0;
   std::size_t results_count_ = 0;
 
   std::mutex mutex_;  // guards the fields below
   State state_ = State::kPending;
   std::string error_;                  // why it failed
-  std::vector<at::Tensor> results_;
-  std::vector<at::Tensor> keepalive_;  // sources and scratch, until complete
+  std::vector<Tensor> results_;
+  std::vector<Tensor> keepalive_;  // sources and scratch, until complete
 };
 
 std::shared_ptr<Transfer> start_transfer(TransferRequest request);

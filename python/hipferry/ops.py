@@ -3,6 +3,26 @@ import torch
 
 from .torch_private import neg_view
 
+# Op kernels run behind LibTorch's stable ABI, where torch's dispatcher raises
+# whatever a kernel throws as RuntimeError; the kernel tags the message with
+# the type it stands for (csrc/torch/op_errors.h) and call_op raises that type.
+_TAGGED = {"[hipferry ValueError] ": ValueError, "[hipferry TypeError] ": TypeError,
+           "[hipferry OutOfMemoryError] ": torch.OutOfMemoryError}
+
+
+def call_op(op, *args):
+    """``op(*args)``, with a tagged kernel error raised as its own type."""
+    try:
+        return op(*args)
+    except RuntimeError as e:
+        text = str(e)
+        for tag, kind in _TAGGED.items():
+            at = text.find(tag)
+            if at >= 0:
+                message = text[at + len(tag):].split("\nException raised from", 1)[0].rstrip()
+                raise kind(message) from None
+        raise
+
 
 def copy_cast_(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """Write ``src`` converted to ``dst.dtype`` into ``dst`` and return ``dst``.
@@ -38,7 +58,7 @@ def copy_cast_(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
         if t.is_nested:
             raise ValueError(f"hipferry.copy_cast_: {name} is a nested tensor; expected a plain dense tensor "
                              "(copy each component, or its .values())")
-    torch.ops.hipferry.copy_cast_.default(dst, src)
+    call_op(torch.ops.hipferry.copy_cast_.default, dst, src)
     return dst
 
 
@@ -94,7 +114,7 @@ def _copy_cast_math_bits(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst, src = dst.conj(), src.conj()
     if dst.is_neg():
         dst, src = neg_view(dst), neg_view(src)
-    torch.ops.hipferry.copy_cast_.default(dst, src.resolve_conj().resolve_neg())
+    call_op(torch.ops.hipferry.copy_cast_.default, dst, src.resolve_conj().resolve_neg())
 
 
 for _key in ("Conjugate", "Negative"):

@@ -15,6 +15,7 @@ import torch
 
 from . import _C
 from .host_memory import default_budget
+from .ops import call_op
 
 Size = Union[int, str, None]
 
@@ -179,7 +180,7 @@ class PinnedPool:
             raise TypeError(f"hipferry.PinnedPool.empty: dtype must be a torch.dtype, got {type(dtype).__name__}")
         if dtype in (torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4):
             raise ValueError(f"hipferry.PinnedPool.empty: dtype {dtype} is quantized; expected a plain dtype")
-        return torch.ops.hipferry.pool_empty.default(self._open_id("empty"), shape, dtype, device)
+        return call_op(torch.ops.hipferry.pool_empty.default, self._open_id("empty"), shape, dtype, device)
 
     def empty_like(self, t: torch.Tensor) -> torch.Tensor:
         """``empty(t.shape, dtype=t.dtype)``."""

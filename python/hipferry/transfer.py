@@ -52,7 +52,16 @@ class Transfer:
         self._api = api
 
     def wait(self) -> Any:
-        return tree_unflatten(self._native.wait(), self._spec)
+        results, record = self._native.wait()
+        if record:
+            # Device results allocated on the stream current at the start and handed to
+            # another one: torch's allocator must wait for this stream's work too before
+            # reusing their memory (the engine cannot record a stream through torch's
+            # stable ABI; see Note [hipferry transfer engine]).
+            stream = torch.cuda.current_stream(results[0].device)
+            for t in results:
+                t.record_stream(stream)
+        return tree_unflatten(results, self._spec)
 
     def ready(self) -> bool:
         return self._native.ready()

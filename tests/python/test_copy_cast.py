@@ -135,10 +135,10 @@ def test_cpu_large_int64_indexing():
 @pytest.mark.parametrize("make,match", [
     (lambda: (torch.zeros(4, 3), torch.ones(3, 4)), r"dst has shape \[4, 3\] but src has shape \[3, 4\]"),
     (lambda: (torch.zeros(4, dtype=torch.float16), torch.ones(4, dtype=torch.int32)),
-     r"cannot convert src dtype Int to dst dtype Half"),
+     r"cannot convert src dtype torch.int32 to dst dtype torch.float16"),
     (lambda: (torch.zeros(4, 4), torch.ones(4, 4).t()), r"src must be contiguous"),
     (lambda: (torch.zeros(4, 4).t(), torch.ones(4, 4)), r"dst must be contiguous"),
-    (lambda: (torch.zeros(4, dtype=torch.float64), torch.ones(4)), r"cannot convert src dtype Float to dst dtype Double"),
+    (lambda: (torch.zeros(4, dtype=torch.float64), torch.ones(4)), r"cannot convert src dtype torch.float32 to dst dtype torch.float64"),
 ])
 def test_bad_input_is_rejected_and_dst_untouched(make, match):
     dst, src = make()
@@ -269,7 +269,7 @@ def test_math_bits_keep_the_contiguity_rule():
     # The bit moves from dst to src, which is then materialized (a contiguous copy): the rule is checked first.
     with pytest.raises(RuntimeError, match="src must be contiguous"):
         hipferry.copy_cast_(torch._neg_view(torch.zeros(4, 4)), torch.ones(4, 4).t())
-    with pytest.raises(RuntimeError, match=r"cannot convert src dtype (Bool|torch.bool) to dst dtype (Float|torch.fl)"):
+    with pytest.raises(RuntimeError, match=r"cannot convert src dtype torch.bool to dst dtype torch.float32"):
         hipferry.copy_cast_(torch._neg_view(torch.zeros(4)), torch.ones(4, dtype=torch.bool))
 
 

@@ -53,7 +53,7 @@ def test_value_errors_stream_c10_types_as_torch_check_did():
                                        *ADAMW))
     assert type(err) is ValueError
     assert str(err) == ("AdamWStreamer.step: exp_avgs[0] must be a contiguous float32 host tensor with 4 elements; "
-                        "got Half on cpu with 4 elements")
+                        "got torch.float16 on cpu with 4 elements")
     err = raised(lambda: _C.InFlightWindow(0))
     assert type(err) is ValueError and str(err) == "InFlightWindow: max_bytes must be > 0, got 0"
 

@@ -59,3 +59,28 @@ def test_vendor_headers_only_in_the_platform_switch_and_kernels():
 def test_the_glue_folder_holds_no_engine_paths():
     names = {p.name for p in (ROOT / "csrc/torch").iterdir()}
     assert not names & {"transfer_paths.cpp", "transfer_paths.h", "trace_session.cpp", "trace_session.h"}
+
+
+# The torch layer is on LibTorch's stable ABI (csrc/torch/stable.h): of torch's
+# headers it may include only the stable ones, which one binary shares with
+# every newer torch release.
+STABLE_TORCH = ("torch/csrc/stable/", "torch/headeronly/")
+
+
+def torch_headers_off_the_stable_abi(paths, root=ROOT):
+    return [f"{p.relative_to(root)}: <{inc}>" for p in paths for inc in ANGLED.findall(p.read_text())
+            if inc.startswith(("ATen/", "c10/", "torch/")) and not inc.startswith(STABLE_TORCH)]
+
+
+def test_the_torch_layer_includes_only_stable_torch_headers():
+    paths = sources("csrc/torch") + sources("csrc/testing")
+    assert any("torch/csrc/stable/" in p.read_text() for p in paths)
+    bad = torch_headers_off_the_stable_abi(paths)
+    assert not bad, "\n".join(bad)
+
+
+def test_the_stable_header_check_finds_aten_includes(tmp_path):
+    f = tmp_path / "x.cpp"
+    f.write_text("#include <torch/csrc/stable/tensor.h>\n#include <ATen/ATen.h>\n#include <c10/core/Device.h>\n")
+    assert torch_headers_off_the_stable_abi([f], root=tmp_path) == ["x.cpp: <ATen/ATen.h>",
+                                                                     "x.cpp: <c10/core/Device.h>"]
