@@ -151,6 +151,11 @@ bool record_pool_use(const Tensor& t, int device, void* stream) {
   return true;
 }
 
+bool is_pool_tensor(const Tensor& t) {
+  void* block = nullptr;
+  return pool_of(t, block) != nullptr;
+}
+
 namespace {
 
 Tensor pool_empty_op(std::int64_t pool, std::vector<std::int64_t> size, ScalarType dtype, std::int64_t for_device) {

@@ -40,4 +40,8 @@ Tensor pool_empty(std::int64_t pool_id, const Shape& sizes, ScalarType dtype, st
 // stable ABI shows no storage deleter to compare.
 bool record_pool_use(const Tensor& t, int device, void* stream);
 
+// Whether `t`'s data lies in a block of a pool (open or closed), found as
+// record_pool_use finds it.
+bool is_pool_tensor(const Tensor& t);
+
 }  // namespace hipferry

@@ -1,6 +1,7 @@
 #include "csrc/torch/stable.h"
 
 #include <sstream>
+#include <stdexcept>
 
 #include "csrc/core/errors.h"
 
@@ -51,6 +52,13 @@ ScalarType parse_dtype(const std::string& text, const char* what) {
   if (name == "float") return ScalarType::Float;
   if (name == "half") return ScalarType::Half;
   HF_CHECK_VALUE(false, what, " ", text, " is not a dtype hipferry knows; expected a torch.dtype");
+}
+
+void check_shim(AOTITorchError code, const char* call) {
+  if (code == AOTI_TORCH_SUCCESS) return;
+  const char* what = torch_exception_get_what_without_backtrace();
+  throw std::runtime_error(what != nullptr && *what != '\0' ? std::string(what)
+                                                             : std::string(call) + " failed in libtorch");
 }
 
 std::vector<ScalarType> known_dtypes() {

@@ -61,13 +61,19 @@ inline std::size_t nbytes_of(const Tensor& t) { return static_cast<std::size_t>(
 // The core's name for a float dtype (float32, float16, bfloat16); throws otherwise.
 ElementType element_type_of(const Tensor& t);
 
+// Throws std::runtime_error with torch's message (no backtrace) when a stable
+// C shim call returned an error. Unlike torch's STABLE_TORCH_ERROR_CODE_CHECK
+// it writes nothing to stderr: some of these errors are an expected fallback
+// (held_source in transfer_engine.cpp), the rest are raised to the caller.
+void check_shim(AOTITorchError code, const char* call);
+
 // An ATen op through the dispatcher, for ops the stable headers do not wrap:
 // `args` converted with torch::stable::detail::from; returns the first result.
 template <class... Args>
 Tensor call_aten(const char* name, const char* overload, const Args&... args) {
   constexpr std::size_t n = sizeof...(Args) > 0 ? sizeof...(Args) : 1;
   std::array<StableIValue, n> stack{torch::stable::detail::from(args)...};
-  STABLE_TORCH_ERROR_CODE_CHECK(torch_call_dispatcher(name, overload, stack.data(), TORCH_ABI_VERSION));
+  check_shim(torch_call_dispatcher(name, overload, stack.data(), TORCH_ABI_VERSION), name);
   return torch::stable::detail::to<Tensor>(stack[0]);
 }
 

@@ -91,7 +91,7 @@ void check_tensor(py::handle obj, const char* what, std::size_t index, bool inde
 
 Tensor from_shim(py::handle obj) {
   AtenTensorHandle ath = nullptr;
-  STABLE_TORCH_ERROR_CODE_CHECK(shims().from(obj.ptr(), &ath));
+  check_shim(shims().from(obj.ptr(), &ath), "torch_tensor_from_pyobject");
   return Tensor(ath);
 }
 
@@ -156,7 +156,7 @@ py::object tensor_to_python(const Tensor& t) {
   if (!t.defined()) return py::none();
   if (shims().to != nullptr) {
     void* raw = nullptr;
-    STABLE_TORCH_ERROR_CODE_CHECK(shims().to(t.get(), nullptr, &raw));
+    check_shim(shims().to(t.get(), nullptr, &raw), "torch_tensor_to_pyobject");
     return py::reinterpret_steal<py::object>(static_cast<PyObject*>(raw));
   }
   return tensors_to_python({t})[0];

@@ -137,7 +137,9 @@ std::string device_of(const Tensor& t) {
 // `pinned`: host memory that is page-locked and mapped.
 Tensor held_source(const Tensor& given, Tensor src, bool pinned) {
   if (src.numel() == 0 || src.const_data_ptr() != given.const_data_ptr()) return src;  // no data, or ours
-  if (src.is_cpu() && !pinned) {
+  // A pool block has a deleter of its own (pool_empty): known by address, it
+  // is aliased without the failed lazy clone's exception.
+  if (src.is_cpu() && !pinned && !is_pool_tensor(src)) {
     try {
       return call_aten("aten::_lazy_clone", "", src);
     } catch (const std::exception&) {  // not a simple storage: aliased below

@@ -5,6 +5,7 @@ tests read the module's dynamic symbol table and its needed libraries."""
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -89,3 +90,22 @@ def test_the_dtype_table_agrees_with_torch():
     for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.uint8, torch.bool,
                   torch.complex64, torch.float8_e4m3fn, torch.float8_e5m2, torch.qint8):
         assert str(dtype) in names, dtype
+
+
+def test_fallbacks_across_the_c_shim_write_nothing_to_stderr():
+    # torch's STABLE_TORCH_ERROR_CODE_CHECK prints every error that crosses the
+    # C shim with its backtrace. The transfer engine expects one (the lazy clone
+    # of memory with a deleter of its own falls back to an alias): prefetching
+    # pool memory and numpy memory must stay silent and copy exactly.
+    code = (
+        "import numpy, torch, hipferry\n"
+        "pool = hipferry.PinnedPool()\n"
+        "a = pool.empty(256); a.copy_(torch.arange(256.))\n"
+        "b = torch.from_numpy(numpy.arange(256, dtype=numpy.float32))\n"
+        "got = hipferry.prefetch([a, b], 'cpu').wait()\n"
+        "assert torch.equal(got[0], a) and torch.equal(got[1], b)\n"
+        "print('ok')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+    assert "Exception across libtorch C API boundary" not in done.stderr, done.stderr[-3000:]
+    assert "frame #" not in done.stderr, done.stderr[-3000:]
