@@ -100,8 +100,9 @@ def test_fallbacks_across_the_c_shim_write_nothing_to_stderr():
     code = (
         "import numpy, torch, hipferry\n"
         "pool = hipferry.PinnedPool()\n"
-        "a = pool.empty(256); a.copy_(torch.arange(256.))\n"
-        "b = torch.from_numpy(numpy.arange(256, dtype=numpy.float32))\n"
+        "n = 1 << 22\n"  # 16 MiB: large sources are held, not staged at once
+        "a = pool.empty(n); a.copy_(torch.arange(float(n)))\n"
+        "b = torch.from_numpy(numpy.arange(n, dtype=numpy.float32))\n"
         "got = hipferry.prefetch([a, b], 'cpu').wait()\n"
         "assert torch.equal(got[0], a) and torch.equal(got[1], b)\n"
         "print('ok')\n")
