@@ -8,7 +8,9 @@ stable-ABI build of the next), interleaved.
 Each round starts one fresh process per build (alternating which goes first)
 with that build's folder first on PYTHONPATH. The process measures:
   * import_ms: `import hipferry` after `import torch` (wall clock, one import
-    per process, so every round is a cold import of hipferry in a warm page cache);
+    per process, so every round is a cold import of hipferry in a warm page
+    cache), and the cumulative `-X importtime` of hipferry._C (the extension
+    module's load and op registration);
   * per-call microseconds, each the best over 7 repeats of the mean over a
     batch of calls: copy_cast_ (64 elements, float32 -> float16, CPU),
     PinnedPool.empty (4 KiB, freed), prefetch + wait of one 4 KiB CPU tensor
@@ -63,10 +65,17 @@ print(json.dumps(out))
 
 def run_once(site):
     env = dict(os.environ, PYTHONPATH=site + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    done = subprocess.run([sys.executable, "-c", WORKER], env=env, capture_output=True, text=True, check=False)
+    done = subprocess.run([sys.executable, "-X", "importtime", "-c", WORKER], env=env, capture_output=True,
+                          text=True, check=False)
     if done.returncode != 0:
         sys.exit(f"the worker failed under {site}:\n{done.stderr}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    res = json.loads(done.stdout.strip().splitlines()[-1])
+    # "import time: self [us] | cumulative | name": the extension module's own load.
+    for line in done.stderr.splitlines():
+        parts = [p.strip() for p in line.split("|")]
+        if len(parts) == 3 and parts[2] == "hipferry._C":
+            res["import hipferry._C (ms)"] = int(parts[1]) / 1e3
+    return res
 
 
 def main():

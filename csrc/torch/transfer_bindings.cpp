@@ -22,9 +22,10 @@ namespace {
 // Called with the GIL held: the arguments are read (tensors through the
 // bridge) with it, then the GIL is released for the transfer's start, which
 // may wait (pool capacity, a producer event) and lets go of tensors.
-// `device`: a torch.device or its spelling; `dtype`: None or a torch.dtype.
+// `device`: a torch.device or its spelling; `dtype`: None or a torch.dtype;
+// `negative_views`: whether a source may be a torch._neg_view (see TransferRequest).
 std::shared_ptr<Transfer> start(TransferKind kind, py::handle sources, py::handle device, py::handle dtype,
-                                std::int64_t pool_id) {
+                                std::int64_t pool_id, bool negative_views) {
   return translate_errors([&] {
     const bool prefetch = kind == TransferKind::kPrefetch;
     TransferRequest r;
@@ -35,6 +36,7 @@ std::shared_ptr<Transfer> start(TransferKind kind, py::handle sources, py::handl
       r.dtype = parse_dtype(py::str(dtype), prefetch ? "hipferry.prefetch: dtype" : "hipferry.offload: dtype");
     }
     r.pool_id = pool_id;
+    r.may_have_negative_views = negative_views;
     py::gil_scoped_release no_gil;
     return start_transfer(std::move(r));
   });
@@ -100,15 +102,15 @@ void bind_transfers(py::module_& m) {
       .def_property_readonly("num_tensors", &Transfer::num_tensors);
   // start_*: the GIL is released once the arguments are read (see start).
   m.def("start_prefetch",
-        [](py::object sources, py::object device, py::object dtype, std::int64_t pool) {
-          return start(TransferKind::kPrefetch, sources, device, dtype, pool);
+        [](py::object sources, py::object device, py::object dtype, std::int64_t pool, bool negative_views) {
+          return start(TransferKind::kPrefetch, sources, device, dtype, pool, negative_views);
         },
-        py::arg("sources"), py::arg("device"), py::arg("dtype"), py::arg("pool"));
+        py::arg("sources"), py::arg("device"), py::arg("dtype"), py::arg("pool"), py::arg("negative_views") = true);
   m.def("start_offload",
-        [](py::object sources, py::object dtype, std::int64_t pool) {
-          return start(TransferKind::kOffload, sources, py::none(), dtype, pool);
+        [](py::object sources, py::object dtype, std::int64_t pool, bool negative_views) {
+          return start(TransferKind::kOffload, sources, py::none(), dtype, pool, negative_views);
         },
-        py::arg("sources"), py::arg("dtype"), py::arg("pool"));
+        py::arg("sources"), py::arg("dtype"), py::arg("pool"), py::arg("negative_views") = true);
   m.def("transfer_stats", [] {
     const TransferStats s = transfer_stats();
     py::dict d;

@@ -151,13 +151,14 @@ Tensor held_source(const Tensor& given, Tensor src, bool pinned) {
 // A source as the copy reads it: lazy conjugate / negative views
 // materialized (the copy moves bytes), made contiguous. The conjugate bit
 // exists only on complex tensors; the negative bit on any (torch._neg_view),
-// and the stable ABI cannot ask for it: resolve_neg is always called (it
-// returns the tensor itself when the bit is clear).
-Tensor copy_source(const Tensor& t, ScalarType type) {
+// and the stable ABI cannot ask for it: resolve_neg is called unless the
+// caller said no source has the bit (it returns the tensor itself when the
+// bit is clear).
+Tensor copy_source(const Tensor& t, ScalarType type, bool may_be_negative) {
   const bool complex =
       type == ScalarType::ComplexHalf || type == ScalarType::ComplexFloat || type == ScalarType::ComplexDouble;
   Tensor src = complex ? call_aten("aten::resolve_conj", "", t) : t;
-  src = call_aten("aten::resolve_neg", "", src);
+  if (may_be_negative) src = call_aten("aten::resolve_neg", "", src);
   if (!src.is_contiguous()) src = torch::stable::contiguous(src);
   return src;
 }
@@ -397,7 +398,7 @@ std::shared_ptr<Transfer> start_transfer(TransferRequest r) {
     const NoGradScope no_grad;  // the engine's tensors record no graph
     for (std::size_t i = 0; i < r.sources.size(); ++i) {
       const Tensor& t = r.sources[i];
-      Tensor src = copy_source(t, types[i]);
+      Tensor src = copy_source(t, types[i], r.may_have_negative_views);
       const ScalarType out_type = r.dtype.value_or(types[i]);
       // Host results come from the pool: cached blocks, so a copy does not pay
       // for faulting in fresh pages (which costs more than the copy itself).

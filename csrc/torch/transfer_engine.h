@@ -74,6 +74,10 @@ struct TransferRequest {
   Device device{DeviceType::CPU};    // prefetch: the destination; offload: ignored
   std::optional<ScalarType> dtype;   // nullopt: keep each source's dtype
   std::int64_t pool_id = 0;             // staging blocks and offload destinations
+  // Whether a source may carry torch's negative bit (torch._neg_view): the
+  // stable ABI cannot read the bit, and resolving it costs a dispatcher call
+  // per source, so a caller that knows no source has it says false.
+  bool may_have_negative_views = true;
 };
 
 using engine::Completion;  // when a transfer's work is done (csrc/engine/engine.h)

@@ -179,8 +179,14 @@ def _check_dtype(dtype: Optional[torch.dtype], api: str) -> None:
 def _start(api: str, start: Any, tensors: Any, *args: Any) -> Transfer:
     _apply_env()
     leaves, spec, tree = _flatten(tensors, api)
+    # The stable ABI cannot read torch's negative bit: the engine resolves it
+    # with one dispatcher call per source unless told that no source has it.
     try:
-        native = start(leaves, *args)
+        negative_views = any(map(torch.Tensor.is_neg, leaves))
+    except TypeError:  # a leaf that is not a tensor: the engine rejects it, naming its position
+        negative_views = True
+    try:
+        native = start(leaves, *args, negative_views=negative_views)
     except (ValueError, TypeError) as e:
         # The engine names flat positions; say where they are in the caller's structure.
         raise type(e)(_rename_positions(str(e), tree)) from None

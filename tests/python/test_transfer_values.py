@@ -167,6 +167,19 @@ def test_lazy_views_and_quantized_arrive_exactly_or_are_rejected(device, directi
         assert torch.equal(out.cpu(), src), f"got {out[:3]}, expected {src[:3]} (the conj/neg bit was dropped)"
 
 
+@pytest.mark.parametrize("n", [64, 1 << 20], ids=["small", "large"])
+def test_a_negative_view_among_plain_tensors_arrives_negated(device, direction, n):
+    # The negative bit is resolved for the whole transfer when any leaf has it
+    # (transfer.py tells the engine); the plain leaves around it stay as they are.
+    plain = [torch.randn(n), torch.randn(n)]
+    neg = torch.randn(n)._neg_view()
+    tree = {"a": plain[0], "b": [neg, plain[1]]}
+    out = start(direction, tree, device).wait()
+    assert torch.equal(out["a"].cpu(), plain[0])
+    assert torch.equal(out["b"][0].cpu(), neg) and not out["b"][0].is_neg()
+    assert torch.equal(out["b"][1].cpu(), plain[1])
+
+
 def test_size_zero_and_scalars(device, direction, pool):
     srcs = [torch.empty(0), torch.empty(3, 0, 5, dtype=torch.int16), torch.tensor(3.5), torch.tensor(-7)]
     t = start(direction, srcs, device, pool=pool)
