@@ -100,7 +100,9 @@ void bind_test_hooks(py::module_& m) {
     py::list rows;
     for (ScalarType type : known_dtypes()) {
       py::object made = py::none();
-      if (!is_quantized(type)) made = tensor_to_python(torch::stable::empty({2}, type, std::nullopt, Device(DeviceType::CPU)));
+      if (!is_quantized(type)) {
+        made = tensor_to_python(torch::stable::empty({2}, type, std::nullopt, Device(DeviceType::CPU)));
+      }
       rows.append(py::make_tuple(dtype_name(type), element_size_of(type), made));
     }
     return rows;

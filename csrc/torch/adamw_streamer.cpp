@@ -95,8 +95,7 @@ bool AdamWStreamer::ensure_ring(int arrays_per_slot) {
   if (ring_.defined() && arrays_per_slot <= arrays_per_slot_) return false;
   synchronize();  // the old ring may still be read or written by the last step
   ring_ = Tensor();  // the old ring goes back before the new one is allocated
-  const Device where = device_ >= 0 ? Device(DeviceType::CUDA, static_cast<torch::stable::DeviceIndex>(device_))
-                                    : Device(DeviceType::CPU);
+  const Device where = device_ >= 0 ? cuda_device(device_) : Device(DeviceType::CPU);
   const std::int64_t numel = std::int64_t{slots_} * arrays_per_slot * chunk_numel_;
   ring_ = torch::stable::empty({numel}, ScalarType::Float, std::nullopt, where);
   arrays_per_slot_ = arrays_per_slot;

@@ -13,12 +13,8 @@ namespace hipferry {
 // and mapped; the address is always asked of the runtime, never assumed.
 void* copy_cast_device_address(const Tensor& t, const char* name, int device) {
   if (!t.is_cpu()) return t.data_ptr();
-  // The allocation's start: the runtime maps allocations, and a view's data
-  // may begin inside one. const_data_ptr: asking must not materialize a
-  // copy-on-write storage.
-  const auto offset = static_cast<std::ptrdiff_t>(t.storage_offset() * static_cast<std::int64_t>(t.element_size()));
-  char* data = static_cast<char*>(const_cast<void*>(t.const_data_ptr()));
-  void* base = data - offset;
+  char* base = storage_start(t);  // the runtime maps whole allocations
+  const std::ptrdiff_t offset = static_cast<const char*>(t.const_data_ptr()) - base;
   void* mapped = nullptr;
   try {
     mapped = rt::host_device_pointer(base);

@@ -31,8 +31,8 @@ void copy_cast_gpu_kernel(Tensor dst, Tensor src) {
   const auto check_on_current_device = [device](const Tensor& t, const char* name) {
     HF_CHECK(!t.is_cuda() || t.get_device_index() == device, "hipferry.copy_cast_: ", name, " is on ",
              device_name(t.device()), " but the current device is cuda:", device,
-                "; expected tensors on the current device (use torch.cuda.device(...) or "
-                "torch.cuda.set_device)");
+             "; expected tensors on the current device (use torch.cuda.device(...) or "
+             "torch.cuda.set_device)");
   };
   check_on_current_device(dst, "dst");
   check_on_current_device(src, "src");

@@ -40,8 +40,7 @@ struct PoolBlock {
 // The pool whose live block starts where `t`'s storage does, or null.
 std::shared_ptr<pool::HostPool> pool_of(const Tensor& t, void*& block) {
   if (!t.defined() || !t.is_cpu() || t.numel() == 0) return nullptr;
-  const auto offset = t.storage_offset() * static_cast<std::int64_t>(t.element_size());
-  block = static_cast<char*>(const_cast<void*>(t.const_data_ptr())) - offset;
+  block = storage_start(t);
   std::vector<std::shared_ptr<pool::HostPool>> pools;
   {
     std::lock_guard<std::mutex> lock(registry_mutex);

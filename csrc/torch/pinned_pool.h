@@ -3,7 +3,6 @@
 // and stream-use recording for tensors that came from a pool.
 #pragma once
 
-
 #include <cstdint>
 #include <memory>
 #include <string>

@@ -96,7 +96,7 @@ Device parse_device(const std::string& text, const char* what) {
   if (text == "cuda") return Device(DeviceType::CUDA);
   if (text.rfind("cuda:", 0) == 0 && text.size() > 5 && text.size() < 10 &&
       text.find_first_not_of("0123456789", 5) == std::string::npos) {
-    return Device(DeviceType::CUDA, static_cast<torch::stable::DeviceIndex>(std::stoi(text.substr(5))));
+    return cuda_device(std::stoi(text.substr(5)));
   }
   HF_CHECK_VALUE(false, what, " ", text, " is not supported; expected 'cpu' or a GPU ('cuda', 'cuda:N')");
 }

@@ -25,6 +25,19 @@ using Device = torch::stable::Device;
 using DeviceType = torch::headeronly::DeviceType;
 using Shape = std::vector<std::int64_t>;
 
+// GPU `index` as torch names it ("cuda:N"; ROCm builds of torch call their GPUs cuda too).
+inline Device cuda_device(int index) {
+  return Device(DeviceType::CUDA, static_cast<torch::stable::DeviceIndex>(index));
+}
+
+// Where `t`'s storage starts: its data less the storage offset. The runtime
+// maps, and a pool hands out, whole allocations; a view's data may begin
+// inside one. const_data_ptr: asking must not materialize a copy-on-write storage.
+inline char* storage_start(const Tensor& t) {
+  return static_cast<char*>(const_cast<void*>(t.const_data_ptr())) -
+         t.storage_offset() * static_cast<std::int64_t>(t.element_size());
+}
+
 inline Shape shape_of(const Tensor& t) {
   const auto s = t.sizes();
   return Shape(s.begin(), s.end());

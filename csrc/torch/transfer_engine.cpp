@@ -70,11 +70,8 @@ std::optional<ScalarType> plain_dtype(const Tensor& t, std::int32_t& code) {
 
 // "torch.qint8" for a code `plain_dtype` gave, when it is a quantized one.
 std::string quantized_name(std::int32_t code) {
-  for (ScalarType q : {ScalarType::QInt8, ScalarType::QUInt8, ScalarType::QInt32, ScalarType::QUInt4x2,
-                       ScalarType::QUInt2x4}) {
-    if (code == static_cast<std::int32_t>(q)) return dtype_name(q);
-  }
-  return "";
+  const auto type = static_cast<ScalarType>(code);
+  return code >= 0 && code == static_cast<std::int32_t>(type) && is_quantized(type) ? dtype_name(type) : "";
 }
 
 // Grad mode off on this thread while sources are prepared: the engine's
@@ -98,10 +95,9 @@ class NoGradScope {
 // The device address of a host tensor's data when it is pinned and mapped.
 void* mapped_address(const Tensor& t) {
   if (t.numel() == 0) return nullptr;
-  // const_data_ptr, not data_ptr: asking must not materialize a copy-on-write storage.
   const char* data = static_cast<const char*>(t.const_data_ptr());
-  const char* base = data - t.storage_offset() * static_cast<std::int64_t>(t.element_size());  // the storage's start
-  void* mapped = rt::host_device_pointer_or_null(const_cast<char*>(base));
+  char* base = storage_start(t);  // the runtime maps whole allocations
+  void* mapped = rt::host_device_pointer_or_null(base);
   if (mapped == nullptr) return nullptr;
   return static_cast<char*>(mapped) + (data - base);
 }
@@ -377,7 +373,7 @@ std::shared_ptr<Transfer> start_transfer(TransferRequest r) {
     device = where.has_index() ? where.index() : current_torch_device();
     HF_CHECK_VALUE(device >= 0 && device < count, api, ": device cuda:", device, " does not exist; hipferry sees ",
                    count, " GPU(s)");
-    where = Device(DeviceType::CUDA, static_cast<torch::stable::DeviceIndex>(device));
+    where = cuda_device(device);
   }
   auto pool = pinned_pool(r.pool_id);
   HF_CHECK(!pool->closed(), api, ": the pool is closed; expected an open PinnedPool");
@@ -471,7 +467,7 @@ std::shared_ptr<Transfer> start_transfer(TransferRequest r) {
     try {
       if (prefetch) {
         std::vector<Tensor>& keep = handle->keepalive_;
-        const Device on(DeviceType::CUDA, static_cast<torch::stable::DeviceIndex>(device));
+        const Device on = cuda_device(device);
         const auto scratch = [&keep, on](std::size_t bytes) -> void* {
           // On the current (producer) stream, before the copy's start event: the
           // copy is ordered after earlier uses of this memory.
