@@ -40,6 +40,7 @@ pybind11_add_module(_C MODULE
   csrc/torch/copy_cast_cpu.cpp
   csrc/torch/pinned_pool.cpp
   csrc/torch/pool_bindings.cpp
+  csrc/torch/pool_fast_path.cpp
   csrc/torch/current_stream.cpp
   csrc/torch/transfer_engine.cpp
   csrc/torch/transfer_bindings.cpp

@@ -90,6 +90,7 @@ py::dict check_host_memory(int device, std::size_t bytes, unsigned flags, bool u
 
 namespace hipferry {
 void bind_pinned_pool(py::module_& m);  // pool_bindings.cpp
+void bind_pool_fast_path(py::module_& m);  // pool_fast_path.cpp
 void bind_transfers(py::module_& m);    // transfer_bindings.cpp
 void bind_adamw(py::module_& m);        // adamw_step.cpp
 void bind_adamw_streamer(py::module_& m);  // adamw_streamer.cpp
@@ -112,6 +113,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("check_host_memory", &check_host_memory, py::arg("device"), py::arg("bytes"),
         py::arg("flags"), py::arg("use_register") = false);
   bind_pinned_pool(m);
+  bind_pool_fast_path(m);
   bind_transfers(m);
   bind_adamw(m);
   bind_adamw_streamer(m);

@@ -4,7 +4,9 @@
 #include <dlfcn.h>
 #include <torch/csrc/stable/library.h>
 
+#include <cstddef>
 #include <cstdlib>
+#include <string>
 #include <mutex>
 #include <unordered_map>
 
@@ -17,29 +19,93 @@ namespace {
 
 using FromPyObject = AOTITorchError (*)(void* py_obj, AtenTensorHandle* ret);
 using ToPyObject = AOTITorchError (*)(AtenTensorHandle ath, void* py_type, void** ret);
+// libtorch_python's THPVariable_Wrap(const at::TensorBase&); a handle points to an at::Tensor.
+using WrapTensor = PyObject* (*)(const void* tensor);
+constexpr const char* kWrapSymbol = "_Z16THPVariable_WrapRKN2at10TensorBaseE";
 
-struct Shims {
-  FromPyObject from = nullptr;
-  ToPyObject to = nullptr;
+// torch 2.13's THPVariable (torch/csrc/autograd/python_variable.h there): the
+// header, then the at::Tensor (one intrusive pointer) the object stands for.
+struct ThpVariable213 {
+  PyObject_HEAD
+  void* cdata;
 };
 
-// The loaded libtorch's Python interop shims, or nulls (torch 2.13, or the op
-// path asked for). Found through the library that holds a shim we link.
-const Shims& shims() {
-  static const Shims found = [] {
-    Shims s;
+enum class BridgeKind { kShim, kThpVariable213, kStashOp };
+
+struct Bridge {
+  BridgeKind kind = BridgeKind::kStashOp;
+  FromPyObject from = nullptr;  // kShim
+  ToPyObject to = nullptr;      // kShim
+  WrapTensor wrap = nullptr;    // kThpVariable213
+};
+
+// torch.Tensor, looked up once (the module never unloads: deliberately leaked).
+PyObject* tensor_type() {
+  static PyObject* type = py::object(py::module_::import("torch").attr("Tensor")).release().ptr();
+  return type;
+}
+
+// A library loaded beside the one that holds a shim we link (libtorch_cpu), or null.
+void* loaded_torch_library(const char* file_name) {
+  Dl_info info{};
+  if (dladdr(reinterpret_cast<void*>(&torch_call_dispatcher), &info) == 0 || info.dli_fname == nullptr) {
+    return nullptr;
+  }
+  if (file_name == nullptr) return dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
+  std::string path(info.dli_fname);
+  const auto slash = path.rfind('/');
+  path = (slash == std::string::npos ? std::string() : path.substr(0, slash + 1)) + file_name;
+  return dlopen(path.c_str(), RTLD_LAZY | RTLD_NOLOAD);  // handles stay open: torch is loaded for good
+}
+
+AtenTensorHandle borrowed_handle_213(PyObject* obj) {
+  return reinterpret_cast<AtenTensorHandle>(reinterpret_cast<char*>(obj) + offsetof(ThpVariable213, cdata));
+}
+
+// The 2.13 way, checked on a fresh tensor both ways before it is trusted.
+bool thp_variable_213_agrees(WrapTensor wrap) {
+  py::object torch = py::module_::import("torch");
+  py::object probe = torch.attr("arange")(7);
+  AtenTensorHandle owned = nullptr;
+  if (aoti_torch_new_tensor_handle(borrowed_handle_213(probe.ptr()), &owned) != AOTI_TORCH_SUCCESS) return false;
+  Tensor t(owned);
+  if (t.numel() != 7 || reinterpret_cast<std::uintptr_t>(t.const_data_ptr()) !=
+                            probe.attr("data_ptr")().cast<std::uintptr_t>()) {
+    return false;
+  }
+  py::object back = py::reinterpret_steal<py::object>(wrap(t.get()));
+  return back && PyObject_IsInstance(back.ptr(), tensor_type()) == 1 && back.is(probe);  // the same Python object
+}
+
+// The bridge of this process (see the Note). Called with the GIL held.
+const Bridge& bridge() {
+  static const Bridge chosen = [] {
+    Bridge b;
     const char* forced = std::getenv("HIPFERRY_TENSOR_BRIDGE");
-    if (forced != nullptr && std::string(forced) == "op") return s;
-    Dl_info info{};
-    if (dladdr(reinterpret_cast<void*>(&torch_call_dispatcher), &info) == 0 || info.dli_fname == nullptr) return s;
-    void* lib = dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
-    if (lib == nullptr) return s;
-    s.from = reinterpret_cast<FromPyObject>(dlsym(lib, "torch_tensor_from_pyobject"));
-    s.to = reinterpret_cast<ToPyObject>(dlsym(lib, "torch_tensor_to_pyobject"));
-    if (s.from == nullptr || s.to == nullptr) s = Shims{};
-    return s;  // the handle stays open: libtorch is loaded for the process's life
+    if (forced != nullptr && std::string(forced) == "op") return b;
+    if (void* lib = loaded_torch_library(nullptr)) {
+      b.from = reinterpret_cast<FromPyObject>(dlsym(lib, "torch_tensor_from_pyobject"));
+      b.to = reinterpret_cast<ToPyObject>(dlsym(lib, "torch_tensor_to_pyobject"));
+      if (b.from != nullptr && b.to != nullptr) {
+        b.kind = BridgeKind::kShim;
+        return b;
+      }
+      b.from = nullptr;
+      b.to = nullptr;
+    }
+    const std::string version = py::str(py::module_::import("torch").attr("__version__"));
+    if (version.rfind("2.13.", 0) != 0) return b;
+    if (void* lib = loaded_torch_library("libtorch_python.so")) {
+      b.wrap = reinterpret_cast<WrapTensor>(dlsym(lib, kWrapSymbol));
+      if (b.wrap != nullptr && thp_variable_213_agrees(b.wrap)) {
+        b.kind = BridgeKind::kThpVariable213;
+        return b;
+      }
+      b.wrap = nullptr;
+    }
+    return b;
   }();
-  return found;
+  return chosen;
 }
 
 std::mutex table_mutex;  // guards table and next_id
@@ -69,12 +135,6 @@ std::vector<Tensor> take(std::int64_t id) {
 std::int64_t stash(std::vector<Tensor> tensors) { return park(std::move(tensors)); }
 std::vector<Tensor> unstash(std::int64_t id) { return take(id); }
 
-// torch.Tensor, looked up once (the module never unloads: deliberately leaked).
-PyObject* tensor_type() {
-  static PyObject* type = py::object(py::module_::import("torch").attr("Tensor")).release().ptr();
-  return type;
-}
-
 py::object bridge_op(const char* name) {
   return py::module_::import("torch").attr("ops").attr("hipferry_bridge").attr(name).attr("default");
 }
@@ -89,20 +149,34 @@ void check_tensor(py::handle obj, const char* what, std::size_t index, bool inde
   }
 }
 
-Tensor from_shim(py::handle obj) {
+// One tensor by the shim or the 2.13 layout (not the stash op); `obj` is a torch.Tensor.
+Tensor from_direct(py::handle obj) {
   AtenTensorHandle ath = nullptr;
-  check_shim(shims().from(obj.ptr(), &ath), "torch_tensor_from_pyobject");
+  if (bridge().kind == BridgeKind::kShim) {
+    check_shim(bridge().from(obj.ptr(), &ath), "torch_tensor_from_pyobject");
+  } else {
+    check_shim(aoti_torch_new_tensor_handle(borrowed_handle_213(obj.ptr()), &ath), "aoti_torch_new_tensor_handle");
+  }
   return Tensor(ath);
 }
 
+bool direct() { return bridge().kind != BridgeKind::kStashOp; }
+
 }  // namespace
 
-std::string tensor_bridge_kind() { return shims().from != nullptr ? "pyobject shim" : "stash op"; }
+std::string tensor_bridge_kind() {
+  switch (bridge().kind) {
+    case BridgeKind::kShim: return "pyobject shim";
+    case BridgeKind::kThpVariable213: return "torch 2.13 THPVariable";
+    case BridgeKind::kStashOp: break;
+  }
+  return "stash op";
+}
 
 Tensor tensor_from_python(py::handle obj, const char* what, bool allow_none) {
   if (allow_none && obj.is_none()) return Tensor();
   check_tensor(obj, what, 0, false);
-  if (shims().from != nullptr) return from_shim(obj);
+  if (direct()) return from_direct(obj);
   py::list one;
   one.append(obj);
   std::vector<Tensor> ts = take(bridge_op("stash")(one).cast<std::int64_t>());
@@ -117,7 +191,7 @@ std::vector<Tensor> tensors_from_python(py::handle sequence, const char* what, b
   const std::size_t n = items.size();
   std::vector<Tensor> out;
   out.reserve(n);
-  if (shims().from != nullptr) {
+  if (direct()) {
     for (std::size_t i = 0; i < n; ++i) {
       py::object obj = items[i];
       if (allow_none && obj.is_none()) {
@@ -125,7 +199,7 @@ std::vector<Tensor> tensors_from_python(py::handle sequence, const char* what, b
         continue;
       }
       check_tensor(obj, what, i, true);
-      out.push_back(from_shim(obj));
+      out.push_back(from_direct(obj));
     }
     return out;
   }
@@ -154,16 +228,21 @@ std::vector<Tensor> tensors_from_python(py::handle sequence, const char* what, b
 
 py::object tensor_to_python(const Tensor& t) {
   if (!t.defined()) return py::none();
-  if (shims().to != nullptr) {
+  if (bridge().kind == BridgeKind::kShim) {
     void* raw = nullptr;
-    check_shim(shims().to(t.get(), nullptr, &raw), "torch_tensor_to_pyobject");
+    check_shim(bridge().to(t.get(), nullptr, &raw), "torch_tensor_to_pyobject");
     return py::reinterpret_steal<py::object>(static_cast<PyObject*>(raw));
+  }
+  if (bridge().kind == BridgeKind::kThpVariable213) {
+    PyObject* raw = bridge().wrap(t.get());
+    if (raw == nullptr) throw py::error_already_set();
+    return py::reinterpret_steal<py::object>(raw);
   }
   return tensors_to_python({t})[0];
 }
 
 py::list tensors_to_python(const std::vector<Tensor>& ts) {
-  if (shims().to != nullptr) {
+  if (direct()) {
     py::list out;
     for (const Tensor& t : ts) out.append(tensor_to_python(t));
     return out;

@@ -3,17 +3,25 @@
 //
 // Note [tensor bridge]
 // ~~~~~~~~~~~~~~~~~~~~
-// Two ways across, chosen once per process:
+// Three ways across, chosen once per process:
 //   * "pyobject shim" (torch >= 2.14): the stable C shims
 //     torch_tensor_from_pyobject / torch_tensor_to_pyobject. The build targets
 //     torch 2.13, whose libtorch lacks them, so they are looked up in the loaded
 //     libtorch at first use, never linked;
-//   * "stash op" (torch 2.13, or HIPFERRY_TENSOR_BRIDGE=op): the private ops
-//     torch.ops.hipferry_bridge.stash(Tensor[]) -> int and unstash(int) ->
-//     Tensor[], called from here through Python. A stable op receives the
-//     tensors as stable handles: stash parks them in this file's table under an
-//     id, and the binding takes them out at once; unstash hands out what the
-//     binding parked.
+//   * "torch 2.13 THPVariable" (torch 2.13, which has no shims): what those
+//     shims do, done here against that one release's fixed layout: a
+//     torch.Tensor object holds its at::Tensor right after its PyObject header
+//     (the handle is a pointer to it; a new handle is made from it), and
+//     libtorch_python's exported THPVariable_Wrap(const at::TensorBase&) makes
+//     the Python object. Used only when torch.__version__ is 2.13.x and a
+//     self-check on a fresh tensor agrees; the hot paths (PinnedPool.empty,
+//     hipferry.pin) then cost the same on 2.13 as on later releases;
+//   * "stash op" (HIPFERRY_TENSOR_BRIDGE=op, or neither of the above): the
+//     private ops torch.ops.hipferry_bridge.stash(Tensor[]) -> int and
+//     unstash(int) -> Tensor[], called from here through Python. A stable op
+//     receives the tensors as stable handles: stash parks them in this file's
+//     table under an id, and the binding takes them out at once; unstash hands
+//     out what the binding parked. Several microseconds a crossing.
 // Invariants: every entry parked is taken out by the same call (an id never
 // outlives the function that made it, also when it throws); the table's lock
 // is held only to insert or erase, never while a tensor dies or Python runs.
@@ -38,7 +46,7 @@ std::vector<Tensor> tensors_from_python(pybind11::handle sequence, const char* w
 pybind11::object tensor_to_python(const Tensor& t);
 pybind11::list tensors_to_python(const std::vector<Tensor>& ts);
 
-// "pyobject shim" or "stash op": the way in use (see the Note).
+// "pyobject shim", "torch 2.13 THPVariable" or "stash op": the way in use (see the Note).
 std::string tensor_bridge_kind();
 
 }  // namespace hipferry

@@ -16,6 +16,7 @@ import torch
 from . import _C
 from .host_memory import default_budget
 from .ops import call_op
+from .torch_private import eager_dispatch
 
 Size = Union[int, str, None]
 
@@ -174,6 +175,15 @@ class PinnedPool:
         GPU whose copies will use it: its pages come from that GPU's NUMA node
         where the pool places by device (``numa_node``).
         """
+        if eager_dispatch():  # Note [pool fast path] (csrc/torch/pool_fast_path.cpp): None if not plain
+            t = _C.pool_empty_fast(self._id, size, dtype, for_device)
+            if t is not None:
+                return t
+        return self._empty_checked(size, dtype, for_device)
+
+    def _empty_checked(self, size: Tuple[Any, ...], dtype: Any, for_device: Any) -> torch.Tensor:
+        """``empty`` through its checks and the op (tracing, dispatch modes,
+        arguments the fast path leaves alone: each error is raised here)."""
         shape = _check_shape(size)
         device = _device_index(for_device, "hipferry.PinnedPool.empty")
         if not isinstance(dtype, torch.dtype):
@@ -392,6 +402,11 @@ def default_pool() -> PinnedPool:
 
 def pin(tensor: torch.Tensor, pool: Optional[PinnedPool] = None) -> torch.Tensor:
     """A copy of the CPU tensor ``tensor`` in pinned pool memory (contiguous)."""
+    target = _default_pool if pool is None else pool
+    if type(target) is PinnedPool and eager_dispatch():  # Note [pool fast path]: None if not plain
+        out = _C.pool_pin_fast(target._id, tensor)
+        if out is not None:
+            return out
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"hipferry.pin: tensor must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.device.type != "cpu":

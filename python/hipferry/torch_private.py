@@ -68,6 +68,18 @@ def tensor_base(t: torch.Tensor) -> Optional[torch.Tensor]:
     return t._base
 
 
+_is_compiling = torch.compiler.is_compiling
+_dispatch_stack_len = torch._C._len_torch_dispatch_stack  # looked up once: eager_dispatch is on hot paths
+
+
+def eager_dispatch() -> bool:
+    """True when ops called now run eagerly on real tensors: no torch.compile
+    or export tracing, no TorchDispatchMode (FakeTensorMode among them) on the
+    stack. Fast paths that bypass the dispatcher take only such calls.
+    (``torch._C._len_torch_dispatch_stack``; no public equivalent.)"""
+    return not (_is_compiling() or _dispatch_stack_len())
+
+
 def neg_view(t: torch.Tensor) -> torch.Tensor:
     """A view of ``t`` with the negative bit flipped (``torch._neg_view``)."""
     return torch._neg_view(t)

@@ -19,6 +19,7 @@ Note [transfer structures]
   -- without its ``encodings`` --, dict subclasses); else as ``d`` itself.
 """
 import atexit
+import operator
 import os
 import re
 from collections.abc import Mapping
@@ -61,6 +62,8 @@ class Transfer:
             stream = torch.cuda.current_stream(results[0].device)
             for t in results:
                 t.record_stream(stream)
+        if self._spec is list or self._spec is tuple:  # a flat list / tuple (_flatten)
+            return results if self._spec is list else tuple(results)
         return tree_unflatten(results, self._spec)
 
     def ready(self) -> bool:
@@ -130,9 +133,19 @@ def _walkable(tree: Any) -> Any:
     return tree_unflatten([_walkable(leaf) if _unknown_mapping(leaf) else leaf for leaf in leaves], spec)
 
 
+_PLAIN_TENSOR_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
+_is_nested = operator.attrgetter("is_nested")
+
+
 def _flatten(tensors: Any, api: str) -> Tuple[List[torch.Tensor], Any, Any]:
     """Leaves, structure and the tree pytree walked (for the leaves' places,
-    "tensors['w'][1]"); raises naming the first leaf that is not a plain tensor."""
+    "tensors['w'][1]"); raises naming the first leaf that is not a plain tensor.
+    A list or tuple of plain tensors (the common case) skips pytree: its
+    structure is its type."""
+    kind = type(tensors)
+    if (kind is list or kind is tuple) and _PLAIN_TENSOR_TYPES.issuperset(map(type, tensors)) and \
+            not any(map(_is_nested, tensors)):
+        return tensors, kind, tensors
     tree = tensors
     leaves, spec = tree_flatten(tree, is_leaf=_unknown_mapping)
     if any(_unknown_mapping(leaf) for leaf in leaves):  # (else one walk is all it takes)

@@ -143,7 +143,9 @@ def test_optim_suite_measures_every_contender_against_the_bound(tmp_path):
         assert sorted(row["contender"] for row in got) == sorted(names), measure
         for row in got:
             assert math.isfinite(row["seconds"]) and row["seconds"] > 0, row
-            assert 0 < row["fraction_of_bound"] < 1.5, row
+            # A step can beat the DRAM triad bound (its stores are in place, part of its working set may
+            # sit in cache, the triad may have shared the memory bus): this catches unit errors only.
+            assert 0 < row["fraction_of_bound"] < 3, row
             assert row["hipferry_speedup"] > 0, row
     gpu_rows = [row for row in rows if row["measure"].startswith("gpu step")]
     if doc["device"] == "cuda":

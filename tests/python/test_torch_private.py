@@ -132,6 +132,27 @@ def test_tensor_base():
     assert tp.tensor_base(base.clone()) is None
 
 
+def test_eager_dispatch():
+    from torch.utils._python_dispatch import TorchDispatchMode
+    assert tp.eager_dispatch()
+
+    class Passing(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Passing():
+        assert not tp.eager_dispatch()
+    assert tp.eager_dispatch()
+    seen = []
+
+    def traced(x):
+        seen.append(tp.eager_dispatch())
+        return x + 1
+
+    torch.compile(traced, backend="eager", fullgraph=True)(torch.zeros(2))
+    assert seen == [False], "torch.compile traces it as not eager"
+
+
 def test_neg_view():
     t = torch.tensor([1.0, -2.0, 3.0])
     n = tp.neg_view(t)

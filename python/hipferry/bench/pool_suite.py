@@ -1,5 +1,8 @@
 """Suite `pool`: the pinned pool vs torch's allocators, side by side.
 
+- from Python (pool_calls.py): pool.empty, hipferry.pin and a prefetch of 64
+  small tensors against torch's own calls, timed as a script makes them, and
+  the stages of pool.empty's path.
 - alloc+free: latency of a cached allocate+free pair (median and p99, ns),
   timed in C++ without Python in the loop: the pool's core, a pool tensor
   (the op torch.ops.hipferry.pool_empty), torch's pinned allocator (GPU) and
@@ -26,6 +29,7 @@ import time
 import torch
 
 from . import Context, SuiteResult, suite
+from .pool_calls import from_python
 from .. import _C
 from ..pool import PinnedPool
 from ..torch_private import host_empty_cache
@@ -301,6 +305,7 @@ def pool_suite(ctx: Context) -> SuiteResult:
     gpu = ctx.device == "cuda"
     rows = []
     _alloc_free(ctx, rows, gpu)
+    from_python(ctx, rows, gpu)
     notes = []
     _overhead(ctx, rows, notes, gpu)
     _churn(ctx, rows, notes)
@@ -310,8 +315,12 @@ def pool_suite(ctx: Context) -> SuiteResult:
     latency = [r for r in rows if r["measure"] == "alloc+free median"]
     plots = [{"x": "bytes", "y": "value", "series": "label", "rows": latency,
               "title": "cached allocate+free, median latency", "xlabel": "bytes", "ylabel": "ns (log)",
-              "logy": True}]
-    return SuiteResult(rows=rows, columns=["measure", "bytes", "contender", "value", "unit", "vs_baseline"],
+              "logy": True},
+             {"kind": "bar", "x": "contender", "y": "value", "series": "measure", "ylabel": "ns per call (log)",
+              "rows": [r for r in rows if r["measure"].endswith("from Python")], "logy": True,
+              "title": "one call from Python: hipferry against torch (same run, best of interleaved rounds)"}]
+    return SuiteResult(rows=rows, columns=["measure", "bytes", "contender", "value", "unit", "vs_baseline",
+                                           "ratio_to_baseline"],
                        plots=plots,
                        notes=notes + ["vs_baseline > 1: better than the baseline (times: baseline/value)",
                               "alloc+free: per-pair wall clock in C++ (steady_clock, ~20 ns of it is the clock); "
