@@ -4,6 +4,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 #include <cstdint>
 #include <cstring>
 #include <thread>
@@ -34,13 +37,27 @@ std::uint16_t reference_f32_to_bf16(float x) {
   return static_cast<std::uint16_t>((sign >> 16) | bf);
 }
 
-// Independent float16 reference: the compiler's _Float16 conversion.
+// Independent float16 reference: the CPU's own conversion instruction (F16C
+// vcvtps2ph, round to nearest even) where the CPU has it, else the compiler's
+// _Float16 conversion (libgcc's soft-float routine: about 5x slower over the
+// 2^32 patterns). Neither is hipferry's code.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+__attribute__((target("f16c"))) std::uint16_t hardware_f32_to_f16(float x) {
+  return static_cast<std::uint16_t>(_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT));
+}
+const bool kHardwareF16 = __builtin_cpu_supports("f16c");
+#else
+std::uint16_t hardware_f32_to_f16(float) { return 0; }
+const bool kHardwareF16 = false;
+#endif
+
 std::uint16_t reference_f32_to_f16(float x) {
   const std::uint32_t a = f32_as_bits(x) & 0x7fffffffu;
   if (a > 0x7f800000u) {  // NaN rule: quiet, same sign, leading payload bits
     return static_cast<std::uint16_t>(((f32_as_bits(x) >> 16) & 0x8000u) | 0x7e00u |
                                       ((a >> 13) & 0x3ffu));
   }
+  if (kHardwareF16) return hardware_f32_to_f16(x);
   const _Float16 h = static_cast<_Float16>(x);
   std::uint16_t bits;
   std::memcpy(&bits, &h, 2);
@@ -55,6 +72,39 @@ float reference_f16_to_f32(std::uint16_t h) {
   _Float16 v;
   std::memcpy(&v, &h, 2);
   return static_cast<float>(v);
+}
+
+// The two references agree (so the fast one stands for the other), on every
+// float16 boundary region: around each f16 value and midpoint, the subnormals,
+// overflow, and a stride through all patterns.
+TEST(ConvertReference, HardwareFloat16AgreesWithTheCompilersConversion) {
+  if (!kHardwareF16) GTEST_SKIP() << "no F16C here: the compiler's conversion is the reference";
+  const auto soft = [](float x) {
+    const _Float16 h = static_cast<_Float16>(x);
+    std::uint16_t bits;
+    std::memcpy(&bits, &h, 2);
+    return bits;
+  };
+  std::uint64_t checked = 0;
+  const auto check = [&](std::uint32_t u) {
+    const float x = f32_from_bits(u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return;  // NaNs: the shared rule above
+    ASSERT_EQ(hardware_f32_to_f16(x), soft(x)) << "input 0x" << std::hex << u;
+    ++checked;
+  };
+  for (std::uint32_t h = 0; h < 0x7c00u; ++h) {  // each finite f16 magnitude and the halfway points beside it
+    const std::uint32_t u = f32_as_bits(reference_f16_to_f32(static_cast<std::uint16_t>(h)));
+    for (std::uint32_t d = 0; d < 3; ++d) {
+      for (std::uint32_t sign : {0u, 0x80000000u}) {
+        check(sign | (u + d));
+        check(sign | (u - d));
+        check(sign | (u + (1u << 12) + d));  // about halfway to the next f16 (normal range)
+        check(sign | (u + (1u << 12) - d));
+      }
+    }
+  }
+  for (std::uint64_t u = 0; u < (1ull << 32); u += 65521) check(static_cast<std::uint32_t>(u));
+  EXPECT_GT(checked, 500000u);
 }
 
 // Runs check(first, count) over all 2^32 patterns, chunked over threads;

@@ -33,3 +33,53 @@ def pool():
     gc.collect()
     p.check_invariants()
     p.close()
+
+
+# Note [older-torch subset]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~
+# The wheel built against the newest torch is also tested under each older
+# torch minor it supports (scripts/dev.sh older-torch). What can differ there
+# is the ABI crossing, not hipferry's arithmetic, so those runs take a subset
+# (`pytest --subset older-torch`):
+#   * every test of the modules about the crossing (OLDER_TORCH_MODULES: each
+#     binding and op once, the tensor bridge, the stable ABI, the private
+#     torch names, the build record, the error translation, the fast path);
+#   * every opcheck test (each op under torch's own op checker);
+#   * in every other module, the tests marked `older_torch`, or else its first
+#     test that is not skipped here: each module is imported and runs once.
+OLDER_TORCH_MODULES = {"test_bindings.py", "test_tensor_bridge.py", "test_stable_abi.py", "test_torch_compat.py",
+                       "test_build_config.py", "test_torch_private.py", "test_pool_fast_path.py",
+                       "test_error_translation.py", "test_packaging.py"}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--subset", choices=["older-torch"], default=None,
+                     help="run the subset for older torch releases (Note [older-torch subset] in conftest.py)")
+
+
+def _skipped_here(item) -> bool:
+    return any(m.args and m.args[0] is True for m in item.iter_markers("skipif")) or \
+        item.get_closest_marker("skip") is not None
+
+
+def older_torch_subset(items):
+    """The items `--subset older-torch` keeps, in collection order."""
+    marked = {item.path.name for item in items if item.get_closest_marker("older_torch")}
+    keep, first_taken = [], set()
+    for item in items:
+        module = item.path.name
+        if module in OLDER_TORCH_MODULES or "opcheck" in item.name or item.get_closest_marker("older_torch"):
+            keep.append(item)
+        elif module not in marked and module not in first_taken and not _skipped_here(item):
+            keep.append(item)
+            first_taken.add(module)
+    return keep
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--subset") != "older-torch":
+        return
+    keep = older_torch_subset(items)
+    kept = set(map(id, keep))
+    config.hook.pytest_deselected(items=[item for item in items if id(item) not in kept])
+    items[:] = keep

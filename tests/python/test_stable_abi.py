@@ -67,7 +67,8 @@ def test_the_build_record_says_stable_abi_from_2_13():
 
 def test_the_tensor_bridge_follows_the_torch_release():
     major, minor = (int(x) for x in torch.__version__.split(".")[:2])
-    expected = "pyobject shim" if (major, minor) >= (2, 14) else "stash op"
+    # torch 2.13 has no pyobject shims: its THPVariable layout and THPVariable_Wrap (Note [tensor bridge]).
+    expected = "pyobject shim" if (major, minor) >= (2, 14) else "torch 2.13 THPVariable"
     assert hipferry.build_info()["tensor_bridge"] == expected
 
 
