@@ -13,8 +13,10 @@ with that build's folder first on PYTHONPATH. The process measures:
     module's load and op registration);
   * per-call microseconds, each the best over 7 repeats of the mean over a
     batch of calls: copy_cast_ (64 elements, float32 -> float16, CPU),
-    PinnedPool.empty (4 KiB, freed), prefetch + wait of one 4 KiB CPU tensor
-    and of 64 of them, and _C._adamw_step_ on 64 elements.
+    PinnedPool.empty (4 KiB, freed), hipferry.pin (16 KiB), prefetch + wait
+    of one 4 KiB CPU tensor and of 64 of them, and _C._adamw_step_ on 64
+    elements; beside them torch's own calls ("(reference)": torch.empty,
+    clone, 64 .to() calls), the same in both builds, to divide by.
 Each build keeps its best per measure over the rounds; the table prints B/A
 (< 1: B is faster) and the bars go to OUT/abi_overhead.png.
 """
@@ -46,13 +48,18 @@ src, dst = torch.randn(64), torch.empty(64, dtype=torch.float16)
 pool = hipferry.PinnedPool()
 one = [torch.randn(1024)]
 many = [torch.randn(1024) for _ in range(64)]
+t16 = torch.randn(4096)
 p, g, m, v = (torch.randn(64) for _ in range(4))
 m.zero_(); v.zero_()
 calls = {
     "copy_cast_ 64 el": (lambda: hipferry.copy_cast_(dst, src), 2000),
     "PinnedPool.empty 4 KiB": (lambda: pool.empty(1024), 2000),
+    "torch.empty 4 KiB (reference)": (lambda: torch.empty(1024), 2000),
+    "hipferry.pin 16 KiB": (lambda: hipferry.pin(t16, pool), 2000),
+    "t.clone() 16 KiB (reference)": (lambda: t16.clone(), 2000),
     "prefetch 1 x 4 KiB": (lambda: hipferry.prefetch(one, "cpu").wait(), 500),
     "prefetch 64 x 4 KiB": (lambda: hipferry.prefetch(many, "cpu").wait(), 100),
+    "64 x .to(copy=True) 4 KiB (reference)": (lambda: [t.to("cpu", copy=True) for t in many], 100),
     "_adamw_step_ 64 el": (lambda: _C._adamw_step_(p, g, m, v, None, None, 1, 1e-3, 0.9, 0.999, 1e-8, 0.01,
                                                    False, False), 2000),
 }

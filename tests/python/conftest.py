@@ -76,7 +76,16 @@ def older_torch_subset(items):
     return keep
 
 
+def collected_items(config):
+    """Every test this run collected, before `--subset` chose from them."""
+    return config.stash[_COLLECTED]
+
+
+_COLLECTED = pytest.StashKey()
+
+
 def pytest_collection_modifyitems(config, items):
+    config.stash[_COLLECTED] = list(items)
     if config.getoption("--subset") != "older-torch":
         return
     keep = older_torch_subset(items)

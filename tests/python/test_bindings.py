@@ -176,3 +176,16 @@ def test_every_binding_and_op_has_an_entry():
 @pytest.mark.parametrize("call", sorted(set(ENTRIES.values()), key=lambda f: f.__name__), ids=lambda f: f.__name__)
 def test_each_binding_and_op_is_crossed(call):
     assert call() is True
+
+
+def test_the_older_torch_subset_covers_every_module_and_every_opcheck(request):
+    from conftest import collected_items, older_torch_subset
+    everything = collected_items(request.config)  # what this run collected, before any --subset
+    subset = older_torch_subset(everything)
+    modules = {item.path.name for item in everything}
+    assert {item.path.name for item in subset} == modules, "every collected test module runs in the subset"
+    assert {item.nodeid for item in everything if "opcheck" in item.name} <= {item.nodeid for item in subset}
+    assert {item.nodeid for item in everything if item.path.name == "test_bindings.py"} <= \
+        {item.nodeid for item in subset}
+    if len(modules) > 10:  # a run of the whole suite: the subset is a small part of it
+        assert len(subset) < len(everything) / 4, (len(subset), len(everything))
