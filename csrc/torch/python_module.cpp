@@ -103,6 +103,7 @@ void bind_test_hooks(py::module_& m);  // csrc/testing/test_hooks.cpp: built wit
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "hipferry native module: ops are under torch.ops.hipferry";
+  init_tensor_bridge();
   py::register_exception<rt::Error>(m, "RuntimeLayerError", PyExc_RuntimeError);
   m.def("build_info", &build_info, "What this binary was built for.");
   m.def("cpu_isa", [] { return cpu::isa_name(cpu::active_isa()); },

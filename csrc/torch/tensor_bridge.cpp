@@ -164,6 +164,8 @@ bool direct() { return bridge().kind != BridgeKind::kStashOp; }
 
 }  // namespace
 
+void init_tensor_bridge() { (void)bridge(); }
+
 std::string tensor_bridge_kind() {
   switch (bridge().kind) {
     case BridgeKind::kShim: return "pyobject shim";

@@ -49,4 +49,9 @@ pybind11::list tensors_to_python(const std::vector<Tensor>& ts);
 // "pyobject shim", "torch 2.13 THPVariable" or "stash op": the way in use (see the Note).
 std::string tensor_bridge_kind();
 
+// Chooses the way now. Called while hipferry._C is imported: the choice runs
+// torch ops, which release the GIL, so it must not first happen inside a
+// static initializer that a second thread could enter meanwhile.
+void init_tensor_bridge();
+
 }  // namespace hipferry

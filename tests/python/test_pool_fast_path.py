@@ -165,6 +165,15 @@ def test_dispatch_modes_and_tracing_take_the_op():
             t = pool.empty(3, 4)
         assert isinstance(t, FakeTensor) and t.shape == (3, 4)
 
+        def staged(x):
+            t = pool.empty(4, dtype=torch.float32)
+            t.copy_(x)
+            return t * 2
+
+        # fullgraph: tracing must meet the op (with its fake kernel), not the fast call dynamo cannot trace
+        compiled = torch.compile(staged, backend="aot_eager", fullgraph=True)
+        assert torch.equal(compiled(torch.arange(4.0)), torch.arange(4.0) * 2)
+
 
 def make_inputs():
     """Tensors pin must copy as `.clone()` would, each named: the fast path takes some, the checks the rest."""
