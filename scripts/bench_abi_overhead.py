@@ -91,6 +91,7 @@ def main():
     ap.add_argument("--b", required=True, help="site folder of build B")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default="bench-abi")
+    ap.add_argument("--title", default="build B vs build A", help="the plot's title")
     args = ap.parse_args()
     best = {"A": {}, "B": {}}
     abi = {}
@@ -125,7 +126,7 @@ def main():
     ax.barh(names, [r["B_over_A"] for r in rows], color="tab:blue")
     ax.axvline(1.0, color="k", lw=0.8)
     ax.set_xlabel(f"B / A (best of {args.rounds} interleaved rounds; < 1: B faster)")
-    ax.set_title("stable-ABI build (B) vs ATen build (A)")
+    ax.set_title(args.title)
     fig.tight_layout()
     fig.savefig(os.path.join(args.out, "abi_overhead.png"), dpi=120)
     print("plot:", os.path.join(args.out, "abi_overhead.png"))

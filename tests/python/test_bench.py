@@ -96,6 +96,21 @@ def test_pool_suite_measures_every_contender(tmp_path):
     # Bytes held can never be fewer than bytes asked for.
     assert all(row["value"] >= 1.0 for row in rows if row["measure"].startswith("reserved/requested"))
     assert (tmp_path / "pool.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "pool_1.png").read_bytes()[:4] == b"\x89PNG"  # the from-Python bars
+    # From Python (issue 25): each public call beside torch's own, with a ratio to it, and the stages.
+    calls = {}
+    for row in rows:
+        if row["measure"].endswith("from Python"):
+            calls.setdefault(row["measure"], {})[row["contender"]] = row
+    assert set(calls) == {"alloc+free from Python", "pin from Python", "prefetch of 64 small from Python"}
+    alloc = calls["alloc+free from Python"]
+    assert {"torch.empty((n,), dtype=float32)", "pool.empty((n,), dtype=float32)",
+            "before: pool.empty's checks + the op (dispatcher)"} <= set(alloc)
+    assert "hipferry.pin(t, pool)" in calls["pin from Python"]
+    for rows_of_measure in calls.values():
+        base = [row for row in rows_of_measure.values() if row["contender"] == row["baseline"]]
+        assert len(base) == 1 and base[0]["ratio_to_baseline"] == 1.0
+        assert all(row["value"] > 0 and row["ratio_to_baseline"] > 0 for row in rows_of_measure.values())
     # Churn (issue 16): the pool within its bound after the first fill and every round, beside the
     # measured alternative without the bound and torch's rule computed on the same sequence.
     churn = {(row["measure"], row["contender"]): row["value"] for row in rows
