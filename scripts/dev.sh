@@ -46,11 +46,13 @@ step_end() {
 }
 step() { step_end; STEP_NAME="$*" STEP_START=$(date +%s); printf '\n=== %s ===\n' "$*"; }
 # Compilers run through ccache (installed by deps): the trees below compile the
-# same core and kernels, and a later run recompiles only what changed.
-# CMake reads these variables as the launchers' defaults.
+# same core and kernels, and a later run recompiles only what changed, from
+# any clone (paths under the checkout are hashed relative to it). CMake reads
+# the launcher variables as the launchers' defaults.
 use_ccache() {
   if [[ ${HIPFERRY_CCACHE:-1} != 0 ]] && command -v ccache >/dev/null; then
     export CMAKE_CXX_COMPILER_LAUNCHER=ccache CMAKE_CUDA_COMPILER_LAUNCHER=ccache
+    export CCACHE_BASEDIR="$PWD" CCACHE_NOHASHDIR=true
   fi
 }
 # Drops pip's root warning; the pipeline keeps pip's exit status (pipefail).
