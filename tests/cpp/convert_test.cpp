@@ -14,6 +14,7 @@
 
 #include "csrc/core/convert.h"
 #include "csrc/core/copy_cast_cpu.h"
+#include "csrc/core/cpu/cpu_isa.h"
 
 namespace hipferry {
 namespace {
@@ -41,11 +42,12 @@ std::uint16_t reference_f32_to_bf16(float x) {
 // vcvtps2ph, round to nearest even) where the CPU has it, else the compiler's
 // _Float16 conversion (libgcc's soft-float routine: about 5x slower over the
 // 2^32 patterns). Neither is hipferry's code.
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#if defined(HIPFERRY_HAVE_AVX2_BUILD)
 __attribute__((target("f16c"))) std::uint16_t hardware_f32_to_f16(float x) {
   return static_cast<std::uint16_t>(_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT));
 }
-const bool kHardwareF16 = __builtin_cpu_supports("f16c");
+// (cpu_isa.h: the AVX2 build runs only where the CPU has F16C too.)
+const bool kHardwareF16 = cpu::best_isa() == cpu::Isa::kAvx2;
 #else
 std::uint16_t hardware_f32_to_f16(float) { return 0; }
 const bool kHardwareF16 = false;
