@@ -13,6 +13,7 @@ pool, and one of two engines runs the same fused element-wise update
   per chunk (hipferry._C.AdamWStreamer).
 Small GPU parameters keep their state on the device and step there.
 """
+import contextlib
 import copy
 import logging
 import weakref
@@ -29,6 +30,7 @@ from . import calibration
 from .checks import (LOW_PRECISION, TORCH_FLAG_DEFAULTS, check_flag, check_grad, check_group_options,
                      check_loadable, check_norm_args, check_param, param_dtype, scalar_value, split_params)
 from .layout import aligned, memory_flat, real, shaped, state_strides, torch_ops_step
+from .speculation import BackwardSpeculation
 from .state import format_bytes, local, state_keys, to_global_state, torch_group_defaults
 
 log = logging.getLogger("hipferry.optim")
@@ -78,7 +80,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                  foreach: Optional[bool] = None, capturable: bool = False, differentiable: bool = False,
                  fused: Optional[bool] = None, step_on: str = "auto", pool: Optional[PinnedPool] = None,
                  min_offload_numel: int = 65536, chunk_numel: int = 1 << 21, ring_slots: int = 3,
-                 skip_nonfinite: bool = False):
+                 skip_nonfinite: bool = False, overlap: Optional[str] = None):
         defaults = dict(torch_group_defaults(), lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas,
                         eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize, foreach=foreach,
                         capturable=capturable, differentiable=differentiable, fused=fused)
@@ -87,6 +89,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             raise ValueError("OffloadAdamW: fused=True and foreach=True cannot be given together (as in "
                              "torch.optim.AdamW); both are ignored, pass at most one")
         check_flag(skip_nonfinite, "skip_nonfinite")
+        if overlap not in (None, "backward"):
+            raise ValueError(f"OffloadAdamW: overlap must be None or 'backward', got {overlap!r}")
         if step_on not in ("auto", "cpu", "gpu"):
             raise ValueError(f"OffloadAdamW: step_on must be 'auto', 'cpu' or 'gpu', got {step_on!r}")
         if pool is not None and not isinstance(pool, PinnedPool):
@@ -104,6 +108,12 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._chunk_numel = chunk_numel
         self._ring_slots = ring_slots
         self._skip_nonfinite = skip_nonfinite
+        # overlap="backward": parameters stepped on the CPU are stepped speculatively during
+        # backward and committed or redone at step() (Note [speculative step]).
+        self._overlap = overlap
+        self._speculation = (BackwardSpeculation(self._fused_step, param_key, self._host_tensor_like)
+                             if overlap == "backward" else None)
+        self._group_by_param: Dict[int, dict] = {}
         # Test seam: run the CPU engine's path for GPU parameters (gradient copies
         # started by backward hooks, host working copies, copies back) on CPU
         # parameters, so machines without a GPU test it too.
@@ -152,7 +162,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         if getattr(self, "step_on_reason", ""):
             self._choose_engine()  # a group added later may bring GPU parameters
         for p in added["params"]:
-            if self._is_remote(p) and p.requires_grad:
+            if (self._is_remote(p) or self._speculation is not None) and p.requires_grad:
                 self._hooks.append(p.register_post_accumulate_grad_hook(_weak_hook(self)))
 
     @torch.no_grad()
@@ -252,11 +262,58 @@ class OffloadAdamW(torch.optim.Optimizer):
     # ------------------------------------------------------- backward hooks
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         slot = self._slots.get(p)
-        if slot is None or slot.where != "host" or self.step_on != "cpu" or p.grad is None or p.grad.is_sparse:
+        if slot is None or slot.where != "host" or p.grad is None or p.grad.is_sparse:
+            return
+        if not self._is_remote(p):
+            self._speculate(p, slot)
+            return
+        if self.step_on != "cpu":
             return
         grad = local(p.grad)
         slot.grad_copy = offload(grad, pool=self._pool)
         slot.copied_grad, slot.copied_version = grad, tensor_version(grad)
+
+    def _speculate(self, p: torch.Tensor, slot: _Slot) -> None:
+        """overlap="backward", a parameter stepped in place on the CPU: its step starts now."""
+        spec, st = self._speculation, self.state.get(p)
+        if spec is None or st is None or param_dtype(local(p)) == torch.float64 or \
+                not spec.eligible(local(p), st):
+            return
+        group = self._group_by_param.get(id(p))
+        if group is None or not any(q is p for q in group["params"]):
+            self._group_by_param = {id(q): g for g in self.param_groups for q in g["params"]}
+            group = self._group_by_param.get(id(p))
+            if group is None:
+                return
+        try:
+            hyper = self._hyper(group)
+        except Exception:  # a bad hyperparameter: step() names it; nothing to speculate on
+            return
+        spec.start(p, st, hyper, group["amsgrad"], slot.seen)
+
+    @contextlib.contextmanager
+    def accumulating(self):
+        """Micro-batches whose gradients are accumulated, not stepped: with
+        ``overlap="backward"`` their backward starts no speculative step (only
+        saves work: the last micro-batch's step sees the sum either way)."""
+        spec = self._speculation
+        if spec is None:
+            yield
+            return
+        before, spec.enabled = spec.enabled, False
+        try:
+            yield
+        finally:
+            spec.enabled = before
+
+    def overlap_stats(self) -> dict:
+        """overlap="backward": speculative steps started, committed at step(), and redone there
+        (the gradient, a hyperparameter or the parameter changed since, e.g. clipping fired)."""
+        spec = self._speculation
+        if spec is None:
+            return {"overlap": None, "started": 0, "committed": 0, "redone": 0}
+        return {"overlap": self._overlap, "started": spec.started, "committed": spec.committed,
+                "redone": spec.redone}
 
     def _host_grad(self, p: torch.Tensor, slot: _Slot) -> torch.Tensor:
         grad = local(p.grad)
@@ -277,6 +334,9 @@ class OffloadAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         work, added = self._validate_step()  # everything is checked before anything changes
+        spec = self._speculation
+        if spec is not None:
+            spec.wait()  # the speculative steps read the state: done before anything changes
         for p, t in added:
             self.state[p]["max_exp_avg_sq"] = t
         self.last_step_skipped = False
@@ -286,6 +346,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             self.skipped_steps += 1
             self.last_step_skipped = True
             self._drop_grad_copies()
+            if spec is not None:
+                spec.drop()
             # Writes made before this step (p.data = t, in-place ops) still reach the
             # masters and host copies now: the state read after a skipped step is current.
             self._reread_written()
@@ -310,7 +372,10 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._reread_if_written(p, st, slot)
             st["step"] += 1
             step = int(st["step"].item())
-            if slot.where == "device" or not self._is_remote(p) or param_dtype(local(p)) == torch.float64:
+            if spec is not None and not self._is_remote(p) and slot.where == "host" and \
+                    spec.try_commit(p, st, hypers[id(group)], step):
+                slot.seen = param_key(local(p))  # (committed: the parameter holds its new values)
+            elif slot.where == "device" or not self._is_remote(p) or param_dtype(local(p)) == torch.float64:
                 self._step_in_place(group, hypers[id(group)], p, st, step)
             elif self.step_on == "gpu" and self._streamable(p, st):
                 streamed.setdefault((id(group), p.device.index, step), []).append((group, p))
@@ -324,6 +389,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._sync_streamers()
         for group, p, step in host_gpu:
             self._step_host_for_gpu(group, hypers[id(group)], p, step)
+        if spec is not None:
+            spec.drop()  # speculations of parameters without a gradient now: stale next step
         for device in sorted({p.device.index for _, p, _ in host_gpu if p.device.type == "cuda"}):
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(device))
@@ -525,6 +592,12 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     # ------------------------------------------------------------ utilities
     def __del__(self) -> None:
+        spec = getattr(self, "_speculation", None)
+        if spec is not None:
+            try:
+                spec.close()
+            except Exception:  # interpreter shutdown
+                pass
         for handle in getattr(self, "_hooks", ()):
             try:
                 handle.remove()
@@ -547,6 +620,8 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._drop_grad_copies()
+        if self._speculation is not None:
+            self._speculation.drop()  # (waits: a job may still read the gradient)
         super().zero_grad(set_to_none=set_to_none)
 
     def _drop_grad_copies(self) -> None:
@@ -625,6 +700,9 @@ class OffloadAdamW(torch.optim.Optimizer):
                 state_dict = result
         self.synchronize()
         by_param = check_loadable(self, state_dict)  # validates everything first
+        if self._speculation is not None:
+            self._speculation.drop()  # its jobs read the state written below
+        self._group_by_param = {}
         groups = []
         for g, saved in zip(self.param_groups, copy.deepcopy(state_dict["param_groups"])):
             saved["params"] = g["params"]
@@ -680,7 +758,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         return {"defaults": self.defaults, "state": self.state, "param_groups": self.param_groups,
                 "hipferry": dict(step_on=self._requested_step_on, min_offload_numel=self._min_offload_numel,
                                  chunk_numel=self._chunk_numel, ring_slots=self._ring_slots,
-                                 skip_nonfinite=self._skip_nonfinite),
+                                 skip_nonfinite=self._skip_nonfinite, overlap=self._overlap),
                 "counters": dict(skipped_steps=self.skipped_steps, last_step_skipped=self.last_step_skipped)}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:

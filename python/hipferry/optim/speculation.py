@@ -1,0 +1,194 @@
+"""OffloadAdamW's step during backward, `overlap="backward"` (issue 26, first
+slice: parameters the CPU steps in place; docs/offload-adamw-overlap-plan.md).
+
+Note [speculative step]
+~~~~~~~~~~~~~~~~~~~~~~~
+* When a parameter's gradient is final (its post-accumulate-grad hook), a
+  worker thread copies the gradient (the snapshot) and steps a copy of the
+  parameter's state in scratch buffers, with the hyperparameters and step
+  count of that moment. Nothing the optimizer or the model owns is written.
+* Backward does not return before every snapshot of it is taken (a callback
+  queued at the end of backward waits): code between backward and step()
+  (clipping, GradScaler, the next micro-batch's accumulation) may write the
+  gradients then.
+* step() waits for the worker; a speculation is COMMITTED only if the
+  gradient step() would use has the snapshot's bits and the hyperparameters,
+  step count, amsgrad and the parameter (param_key) are those it used. Commit
+  swaps the scratch state into the state tensors (Tensor.set_: the same
+  tensor objects, no copy) and copies the new values into the parameter.
+  Otherwise the parameter steps as without overlap (REDO), from its untouched
+  state. Either way the result is bit-identical to overlap=None.
+* A skipped step (GradScaler's inf, skip_nonfinite), zero_grad and
+  load_state_dict drop every speculation; a new backward of the same
+  parameter replaces its own. `OffloadAdamW.accumulating()` marks
+  micro-batches whose backward does not speculate (work saved, not needed
+  for correctness: the last micro-batch's speculation sees the sum).
+Invariants: state and parameters change only inside step(); the worker reads
+them only while no step() or load_state_dict runs (those wait for it first);
+a speculation's scratch is written by one job at a time (one worker, FIFO).
+"""
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Optional
+
+import torch
+
+from ..torch_private import current_graph_task_id, queue_end_of_backward
+from .layout import aligned, memory_flat, real
+from .state import local
+
+_BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+@dataclass
+class _Speculation:
+    """One parameter's speculative step: its inputs and its scratch results."""
+    scratch: Dict[str, torch.Tensor] = field(default_factory=dict)  # grad snapshot, state keys, target, out
+    future: Optional[Future] = None       # the worker's job
+    snapshot_taken: threading.Event = field(default_factory=threading.Event)
+    step: int = 0                         # the step count it stepped to
+    hyper: Optional[dict] = None          # the group's hyperparameters it used
+    key: Optional[tuple] = None           # param_key of the parameter it read
+    live: bool = False                    # a job was started since the last step / drop
+
+
+class BackwardSpeculation:
+    """The speculations of one optimizer (see the Note). `fused_step` is
+    OffloadAdamW._fused_step; `param_key` its write detector; `scratch_like`
+    makes a pool tensor with a state tensor's shape and strides."""
+
+    def __init__(self, fused_step: Callable, param_key: Callable, scratch_like: Callable):
+        self._fused_step = fused_step
+        self._param_key = param_key
+        self._scratch_like = scratch_like
+        self._worker: Optional[ThreadPoolExecutor] = None
+        self._specs: Dict[torch.Tensor, _Speculation] = {}
+        self._waiting_task = None  # the backward whose end waits for its snapshots
+        self.enabled = True        # False inside OffloadAdamW.accumulating()
+        self.committed = 0
+        self.redone = 0
+        self.started = 0
+
+    @staticmethod
+    def eligible(lp: torch.Tensor, st: dict) -> bool:
+        """Parameters this slice speculates: float32/bf16/fp16, dense, with the state's strides."""
+        rp, m = real(lp), st["exp_avg"]
+        return (lp.dtype in _BITS and not lp.is_complex() and memory_flat(rp) is not None
+                and rp.stride() == m.stride())
+
+    # ----------------------------------------------------------- backward side
+    def start(self, p: torch.Tensor, st: dict, hyper: dict, amsgrad: bool, seen: Optional[tuple]) -> None:
+        """From the post-accumulate-grad hook: step `p` speculatively on the worker."""
+        lp = local(p)
+        key = self._param_key(lp)
+        if not self.enabled or key != seen or p.grad is None or p.grad.is_sparse:
+            return  # (a write not yet read into the master: step() reads it first, then steps)
+        spec = self._specs.get(p)
+        if spec is None:
+            spec = self._specs[p] = _Speculation()
+        elif spec.future is not None:
+            spec.future.result()  # the earlier job of this parameter (another micro-batch) is done first
+        spec.snapshot_taken = threading.Event()
+        spec.step, spec.hyper, spec.key, spec.live = int(st["step"].item()) + 1, dict(hyper), key, True
+        grad = local(p.grad)
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hipferry-speculate")
+        spec.future = self._worker.submit(self._speculate, spec, lp, grad, st, amsgrad)
+        self.started += 1
+        task = current_graph_task_id()
+        if task != -1 and task != self._waiting_task:
+            self._waiting_task = task
+            queue_end_of_backward(self._wait_for_snapshots)
+
+    @torch.no_grad()
+    def _speculate(self, spec: _Speculation, lp: torch.Tensor, grad: torch.Tensor, st: dict, amsgrad: bool) -> None:
+        m = real(st["exp_avg"])
+        s = spec.scratch
+        try:
+            if "grad" not in s:
+                s["grad"] = self._scratch_like(m, lp.dtype)
+                for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param"):
+                    if k in st:
+                        s[k] = self._scratch_like(m, torch.float32)
+                if "master_param" in st:
+                    s["out"] = self._scratch_like(m, lp.dtype)
+                else:
+                    s["target"] = self._scratch_like(m, torch.float32)
+            s["grad"].copy_(aligned(real(grad), m))
+        finally:
+            spec.snapshot_taken.set()
+        for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param"):
+            if k in st and k in s:
+                s[k].copy_(st[k])
+        target = s.get("master_param") if "master_param" in st else s["target"]
+        if "master_param" not in st:
+            target.copy_(real(lp))
+        state = {k: s[k] for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if k in st}
+        self._fused_step(spec.hyper, target, s["grad"], state, amsgrad, s.get("out"), spec.step)
+
+    def _wait_for_snapshots(self) -> None:
+        self._waiting_task = None
+        for spec in list(self._specs.values()):
+            if spec.live:
+                spec.snapshot_taken.wait()
+
+    # --------------------------------------------------------------- step side
+    def wait(self) -> None:
+        """Every job done (raises what a job raised)."""
+        for spec in self._specs.values():
+            if spec.future is not None:
+                spec.future.result()
+
+    def drop(self) -> None:
+        """Forget every speculation (after their jobs finished: they read the state)."""
+        for spec in self._specs.values():
+            if spec.future is not None:
+                try:
+                    spec.future.result()
+                except Exception:  # a failed speculation is dropped all the same
+                    pass
+            spec.live = False
+
+    @torch.no_grad()
+    def try_commit(self, p: torch.Tensor, st: dict, hyper: dict, step: int) -> bool:
+        """After step() advanced the count to `step`: commit `p`'s speculation if
+        it stepped exactly what step() would step now (see the Note). False: step
+        it the ordinary way (its state is untouched)."""
+        spec = self._specs.get(p)
+        if spec is None or not spec.live:
+            return False
+        spec.live = False
+        if spec.future is None or spec.future.exception() is not None:
+            self.redone += 1
+            return False
+        lp = local(p)
+        m = real(st["exp_avg"])
+        bits = _BITS[lp.dtype]
+        now = aligned(real(local(p.grad)), m)
+        same = (spec.step == step and spec.hyper == hyper and spec.key == self._param_key(lp)
+                and now.dtype == spec.scratch["grad"].dtype
+                and torch.equal(now.view(bits), spec.scratch["grad"].view(bits)))
+        if not same:
+            self.redone += 1
+            return False
+        s = spec.scratch
+        for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param"):
+            if k in st:
+                _swap_storage(st[k], s[k])
+        real(lp).copy_(s["out"] if "master_param" in st else s["target"])
+        self.committed += 1
+        return True
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self.drop()
+            self._worker.shutdown(wait=True)
+            self._worker = None
+
+
+def _swap_storage(a: torch.Tensor, b: torch.Tensor) -> None:
+    """`a` and `b` (same shape and strides) exchange their memory; each keeps its tensor object."""
+    storage, offset = a.untyped_storage(), a.storage_offset()
+    a.set_(b.untyped_storage(), b.storage_offset(), b.size(), b.stride())
+    b.set_(storage, offset, b.size(), b.stride())

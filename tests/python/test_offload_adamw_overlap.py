@@ -1,0 +1,169 @@
+"""OffloadAdamW(overlap="backward") (issue 26, first slice; Note [speculative
+step] in hipferry/optim/speculation.py): parameters stepped on the CPU are
+stepped speculatively during backward and committed or redone at step(). The
+oracle is the same optimizer without overlap, bit for bit (hipferry owns both
+sides), over 20 steps of a small transformer; the counters show that the
+speculation was used where it could be and redone where it had to be."""
+import pytest
+import torch
+
+from hipferry.optim import OffloadAdamW
+
+STEPS = 20
+FIRES = {0, 3, 6, 9, 12, 15, 18}  # steps whose clipping scales the gradients
+
+
+def make_model(dtype):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True),
+                                torch.nn.Linear(32, 8))
+    return model.to(dtype)
+
+
+def batches(dtype, n):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(4, 6, 32, generator=g).to(dtype) for _ in range(n)]
+
+
+def loss_of(model, x):
+    return model(x).float().pow(2).mean()
+
+
+def assert_same(a_model, a_opt, b_model, b_opt):
+    for (name, x), y in zip(a_model.named_parameters(), b_model.parameters()):
+        assert torch.equal(x, y), name
+    for p, q in zip(a_model.parameters(), b_model.parameters()):
+        for k, t in a_opt.state[p].items():
+            assert torch.equal(t, b_opt.state[q][k]), k
+
+
+def train(overlap, dtype, *, clip=True, micro=1, use_accumulating=True, inject_inf_at=None, scaler=False):
+    model = make_model(dtype)
+    opt = OffloadAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, overlap=overlap)
+    grad_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if scaler else None
+    data = batches(dtype, STEPS * micro)
+    for step in range(STEPS):
+        for k in range(micro):
+            last = k == micro - 1
+            ctx = opt.accumulating() if use_accumulating and not last else _nothing()
+            with ctx:
+                loss = loss_of(model, data[step * micro + k]) / micro
+                (grad_scaler.scale(loss) if grad_scaler else loss).backward()
+        if inject_inf_at == step:
+            next(model.parameters()).grad.view(-1)[0] = float("inf")
+        if grad_scaler:
+            grad_scaler.step(opt)
+            grad_scaler.update()
+        else:
+            if clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05 if step in FIRES else 1e6)
+            opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_steps_with_clipping_that_fires_sometimes_are_bit_identical(dtype):
+    ref_model, ref_opt = train(None, dtype)
+    model, opt = train("backward", dtype)
+    assert_same(ref_model, ref_opt, model, opt)
+    n = len(list(model.parameters()))
+    s = opt.overlap_stats()
+    assert s["started"] == STEPS * n
+    assert s["committed"] == (STEPS - len(FIRES)) * n, s  # clipping with factor 1 leaves the bits: kept
+    assert s["redone"] == len(FIRES) * n, s                # clipping that fired: redone from the state
+
+
+@pytest.mark.parametrize("use_accumulating", [True, False])
+def test_two_micro_batches_step_once_bit_identically(use_accumulating):
+    ref_model, ref_opt = train(None, torch.float32, micro=2)
+    model, opt = train("backward", torch.float32, micro=2, use_accumulating=use_accumulating)
+    assert_same(ref_model, ref_opt, model, opt)
+    n = len(list(model.parameters()))
+    s = opt.overlap_stats()
+    # accumulating(): the first micro-batch starts nothing; without it, its speculation is replaced.
+    assert s["started"] == (1 if use_accumulating else 2) * STEPS * n, s
+    assert s["committed"] == (STEPS - len(FIRES)) * n, s
+
+
+def test_grad_scaler_with_an_injected_inf_skips_that_step_bit_identically():
+    ref_model, ref_opt = train(None, torch.float32, scaler=True, inject_inf_at=7)
+    model, opt = train("backward", torch.float32, scaler=True, inject_inf_at=7)
+    assert_same(ref_model, ref_opt, model, opt)
+    assert opt.skipped_steps == ref_opt.skipped_steps >= 1
+    assert opt.overlap_stats()["started"] > 0
+
+
+class FailsInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("backward fails halfway")
+
+
+def test_an_exception_halfway_through_backward_leaves_no_parameter_half_stepped():
+    ref_model, ref_opt = train(None, torch.float32)
+    model, opt = train("backward", torch.float32)
+    params_before = [p.detach().clone() for p in model.parameters()]
+    state_before = [{k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()]
+    started = opt.overlap_stats()["started"]
+    x = batches(torch.float32, 1)[0]
+    # backward reaches the parameters first, then the input's Function, which fails
+    h = model[0](FailsInBackward.apply(x.clone().requires_grad_(True)))
+    loss = model[1](h).pow(2).mean()
+    with pytest.raises(RuntimeError, match="backward fails halfway"):
+        loss.backward()
+    assert opt.overlap_stats()["started"] > started  # speculative steps began before the failure
+    opt.zero_grad()
+    for p, before, st in zip(model.parameters(), params_before, state_before):
+        assert torch.equal(p, before)
+        assert all(torch.equal(opt.state[p][k], v) for k, v in st.items())
+    # Training goes on exactly as the reference does.
+    for m, o in ((ref_model, ref_opt), (model, opt)):
+        loss_of(m, x).backward()
+        o.step()
+        o.zero_grad()
+    assert_same(ref_model, ref_opt, model, opt)
+
+
+def test_state_dict_and_load_state_dict_between_backward_and_step():
+    ref_model, ref_opt = train(None, torch.float32)
+    model, opt = train("backward", torch.float32)
+    x = batches(torch.float32, 1)[0]
+    loss_of(model, x).backward()
+    saved = opt.state_dict()  # while speculations are pending
+    opt.load_state_dict(saved)  # drops them: the step below is the ordinary one
+    opt.step()
+    loss_of(ref_model, x).backward()
+    ref_opt.step()
+    assert_same(ref_model, ref_opt, model, opt)
+    assert ref_opt.state_dict()["state"][0]["step"] == opt.state_dict()["state"][0]["step"]
+
+
+def test_a_hyperparameter_changed_after_backward_is_redone():
+    ref_model, ref_opt = train(None, torch.float32, clip=False)
+    model, opt = train("backward", torch.float32, clip=False)
+    x = batches(torch.float32, 1)[0]
+    committed = opt.overlap_stats()["committed"]
+    for m, o in ((ref_model, ref_opt), (model, opt)):
+        loss_of(m, x).backward()
+        o.param_groups[0]["lr"] = 3e-3  # after the speculation started
+        o.step()
+    assert_same(ref_model, ref_opt, model, opt)
+    assert opt.overlap_stats()["committed"] == committed
+
+
+def test_bad_overlap_is_rejected():
+    with pytest.raises(ValueError, match="overlap must be None or 'backward'"):
+        OffloadAdamW([torch.nn.Parameter(torch.zeros(3))], overlap="forward")
