@@ -172,6 +172,16 @@ def test_optim_suite_measures_every_contender_against_the_bound(tmp_path):
             # sit in cache, the triad may have shared the memory bus): this catches unit errors only.
             assert 0 < row["fraction_of_bound"] < 3, row
             assert row["hipferry_speedup"] > 0, row
+    # Issue 26: the overlapped step against the plain one, its speculations kept or redone as clipping says.
+    overlap = {(row["measure"], row["contender"]): row for row in rows if row["measure"].startswith("overlap")}
+    for regime in ("clipping never fires", "clipping always fires"):
+        plain = overlap[(f"overlap, {regime}", "OffloadAdamW(overlap=None)")]
+        spec = overlap[(f"overlap, {regime}", "OffloadAdamW(overlap='backward')")]
+        assert plain["committed"] == plain["redone"] == 0 and plain["critical_path_vs_plain"] == 1.0
+        assert all(row["backward_end_to_step_end_s"] > 0 and row["iteration_s"] > row["backward_s"] > 0
+                   for row in (plain, spec))
+        assert (spec["committed"] > 0 and spec["redone"] == 0) if regime.endswith("never fires") else \
+            (spec["redone"] > 0 and spec["committed"] == 0), spec
     gpu_rows = [row for row in rows if row["measure"].startswith("gpu step")]
     if doc["device"] == "cuda":
         assert gpu_rows and all(math.isfinite(row["seconds"]) and row["seconds"] > 0 for row in gpu_rows)

@@ -167,3 +167,53 @@ def test_a_hyperparameter_changed_after_backward_is_redone():
 def test_bad_overlap_is_rejected():
     with pytest.raises(ValueError, match="overlap must be None or 'backward'"):
         OffloadAdamW([torch.nn.Parameter(torch.zeros(3))], overlap="forward")
+
+
+@pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                    reason="torch.distributed with the gloo backend is not available in this torch")
+def test_ddp_two_ranks_with_the_comm_hook_are_bit_identical_to_ddp_without_overlap(tmp_path):
+    import distributed_helpers as dh
+    dh.spawn(dh.ddp_overlap_worker, dh.free_port(), str(tmp_path))
+    for rank in range(dh.WORLD_SIZE):
+        runs = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        plain, overlapped = runs["None"], runs["backward"]
+        assert plain["norms"] == overlapped["norms"]
+        assert max(plain["norms"]) > dh.MAX_NORM > min(plain["norms"]), "clipping must fire in some steps only"
+        for name, want in plain["params"].items():
+            assert torch.equal(overlapped["params"][name], want), f"rank {rank}: {name}"
+            for k, t in plain["state"][name].items():
+                assert torch.equal(overlapped["state"][name][k], t), f"rank {rank}: {name} {k}"
+        s = overlapped["stats"]
+        n_params = len(plain["params"])
+        fired = sum(norm > dh.MAX_NORM for norm in plain["norms"])
+        # Started from the reduced gradients: kept where clipping left them, redone where it fired.
+        assert s["committed"] == (dh.STEPS - fired) * n_params, s
+        assert s["redone"] == fired * n_params, s
+
+
+def test_hf_trainer_with_max_grad_norm_is_bit_identical(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from hf_model_helpers import batch, make_model
+
+    def run(overlap, out):
+        model = make_model("llama")
+        args = transformers.TrainingArguments(
+            output_dir=str(out), use_cpu=True, max_steps=20, per_device_train_batch_size=2, report_to=[],
+            save_strategy="no", logging_steps=1, seed=0, max_grad_norm=2.7, learning_rate=1e-2)
+        data = [{"input_ids": ids, "labels": ids} for ids in batch(0, batch=8)]
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
+                                       optimizer_cls_and_kwargs=(OffloadAdamW, {"overlap": overlap}))
+        trainer.train()
+        norms = [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e]
+        return model, trainer.optimizer, norms
+
+    ref_model, _, norms = run(None, tmp_path / "plain")
+    model, opt, overlapped_norms = run("backward", tmp_path / "overlap")
+    assert norms == overlapped_norms and len(norms) == 20
+    for (name, x), y in zip(ref_model.named_parameters(), model.parameters()):
+        assert torch.equal(x, y), name
+    inner = getattr(opt, "optimizer", opt)  # (Trainer may wrap it in accelerate's AcceleratedOptimizer)
+    s = inner.overlap_stats()
+    fired = sum(n > 2.7 for n in norms)
+    assert 0 < fired < 20, norms  # clipping fires in some steps, not all
+    assert s["committed"] > 0 and s["redone"] > 0, s

@@ -22,6 +22,10 @@ CPU (always):
   two moments in float32): sizes with N * 16 > max_bytes are dropped (if none
   is left, N = max_bytes / 16).
 
+Overlap (optim_overlap.py): OffloadAdamW(overlap="backward") against
+overlap=None on a small transformer's iteration: backward, and backward end to
+step end, with clipping that never fires and clipping that always fires.
+
 GPU (when the bench runs with device "cuda"; skipped with a note otherwise):
 - link: pinned host->device, device->host (256 MiB, torch pinned memory, CUDA
   events) and both at once on two streams (aggregate GB/s, wall clock).
@@ -51,6 +55,7 @@ from typing import Callable, Dict, List
 import torch
 
 from . import Context, SuiteResult, best_of_interleaved, gpu_timer, suite
+from .optim_overlap import overlap_rows
 
 NAME = "optim"
 M = 1_000_000
@@ -509,12 +514,14 @@ def _gpu_part(ctx: Context, rows: List[dict], notes: List[str], plots: List[dict
 def optim_suite(ctx: Context) -> SuiteResult:
     OffloadAdamW, missing = _offload_adamw()
     gpu = ctx.device == "cuda" and torch.cuda.is_available()
-    total = 1 + 4 * len(_cpu_sizes(ctx)) + ((1 + 4 * len(_gpu_sizes(ctx))) if gpu else 0)
+    overlap_rounds = 4 if ctx.quick else max(5, ctx.repeats) + 1
+    total = 1 + 4 * len(_cpu_sizes(ctx)) + overlap_rounds + ((1 + 4 * len(_gpu_sizes(ctx))) if gpu else 0)
     step = _Progress(ctx, total)
     rows, notes, plots = [], [], []
     if missing:
         notes.append(missing)
     _cpu_part(ctx, rows, notes, plots, step, OffloadAdamW)
+    overlap_rows(ctx, rows, notes, step)
     if gpu:
         _gpu_part(ctx, rows, notes, plots, step, OffloadAdamW)
     else:
@@ -531,4 +538,5 @@ def optim_suite(ctx: Context) -> SuiteResult:
     return SuiteResult(rows=rows, plots=plots, notes=notes,
                        columns=["measure", "params", "contender", "seconds", "GBps", "hipferry_speedup",
                                 "fraction_of_bound", "device_MiB", "vs_torch_on_device", "fraction_of_link_bound",
-                                "fraction_of_duplex_bound"])
+                                "fraction_of_duplex_bound", "backward_s", "iteration_s", "critical_path_vs_plain",
+                                "committed", "redone"])

@@ -114,6 +114,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._speculation = (BackwardSpeculation(self._fused_step, param_key, self._host_tensor_like)
                              if overlap == "backward" else None)
         self._group_by_param: Dict[int, dict] = {}
+        self._speculation_from_ddp = False  # register_ddp_comm_hook: the allreduce starts the steps
         # Test seam: run the CPU engine's path for GPU parameters (gradient copies
         # started by backward hooks, host working copies, copies back) on CPU
         # parameters, so machines without a GPU test it too.
@@ -265,7 +266,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         if slot is None or slot.where != "host" or p.grad is None or p.grad.is_sparse:
             return
         if not self._is_remote(p):
-            self._speculate(p, slot)
+            if not self._speculation_from_ddp:  # (under DDP the comm hook starts it, after the allreduce)
+                self._speculate(p, slot)
             return
         if self.step_on != "cpu":
             return
@@ -273,9 +275,12 @@ class OffloadAdamW(torch.optim.Optimizer):
         slot.grad_copy = offload(grad, pool=self._pool)
         slot.copied_grad, slot.copied_version = grad, tensor_version(grad)
 
-    def _speculate(self, p: torch.Tensor, slot: _Slot) -> None:
-        """overlap="backward", a parameter stepped in place on the CPU: its step starts now."""
+    def _speculate(self, p: torch.Tensor, slot: Optional[_Slot], grad: Optional[torch.Tensor] = None) -> None:
+        """overlap="backward", a parameter stepped in place on the CPU: its step starts now,
+        from `grad` (default: p.grad)."""
         spec, st = self._speculation, self.state.get(p)
+        if slot is None or slot.where != "host" or self._is_remote(p):
+            return
         if spec is None or st is None or param_dtype(local(p)) == torch.float64 or \
                 not spec.eligible(local(p), st):
             return
@@ -289,7 +294,43 @@ class OffloadAdamW(torch.optim.Optimizer):
             hyper = self._hyper(group)
         except Exception:  # a bad hyperparameter: step() names it; nothing to speculate on
             return
-        spec.start(p, st, hyper, group["amsgrad"], slot.seen)
+        spec.start(p, st, hyper, group["amsgrad"], slot.seen, grad)
+
+    def register_ddp_comm_hook(self, ddp_model: Any, process_group: Any = None) -> None:
+        """overlap="backward" under DistributedDataParallel: a parameter's gradient
+        is final only after its bucket's allreduce, which runs after the
+        post-accumulate-grad hook. This registers DDP's default allreduce as
+        ``ddp_model``'s communication hook, followed by the start of each
+        bucket parameter's step from the reduced gradient. (Without it, every
+        speculation is redone at step(): correct, no gain.)"""
+        from torch.nn.parallel import DistributedDataParallel
+        if self._speculation is None:
+            raise ValueError("OffloadAdamW.register_ddp_comm_hook: this optimizer was built without "
+                             "overlap='backward'; expected OffloadAdamW(..., overlap='backward')")
+        if not isinstance(ddp_model, DistributedDataParallel):
+            raise TypeError("OffloadAdamW.register_ddp_comm_hook: ddp_model must be a "
+                            f"torch.nn.parallel.DistributedDataParallel, got {type(ddp_model).__name__}")
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        ref = weakref.ref(self)
+
+        import torch.distributed as dist
+
+        # (DDP checks these annotations)
+        def allreduce_then_step(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+            def start_steps(fut: Any) -> Any:
+                reduced = fut.value()
+                opt = ref()
+                if opt is not None:
+                    try:
+                        for p, g in zip(bucket.parameters(), bucket.gradients()):
+                            opt._speculate(p, opt._slots.get(p), g)
+                    except Exception:  # a speculation is an optimization: step() steps it anyway
+                        log.exception("OffloadAdamW: starting a step after the allreduce failed")
+                return reduced
+            return allreduce_hook(state, bucket).then(start_steps)
+
+        ddp_model.register_comm_hook(process_group, allreduce_then_step)
+        self._speculation_from_ddp = True
 
     @contextlib.contextmanager
     def accumulating(self):

@@ -78,11 +78,15 @@ class BackwardSpeculation:
                 and rp.stride() == m.stride())
 
     # ----------------------------------------------------------- backward side
-    def start(self, p: torch.Tensor, st: dict, hyper: dict, amsgrad: bool, seen: Optional[tuple]) -> None:
-        """From the post-accumulate-grad hook: step `p` speculatively on the worker."""
+    def start(self, p: torch.Tensor, st: dict, hyper: dict, amsgrad: bool, seen: Optional[tuple],
+              grad: Optional[torch.Tensor] = None) -> None:
+        """From the post-accumulate-grad hook (or DDP's comm hook, with the reduced
+        `grad`): step `p` speculatively on the worker."""
         lp = local(p)
         key = self._param_key(lp)
-        if not self.enabled or key != seen or p.grad is None or p.grad.is_sparse:
+        if grad is None:
+            grad = None if p.grad is None else local(p.grad)
+        if not self.enabled or key != seen or grad is None or grad.is_sparse:
             return  # (a write not yet read into the master: step() reads it first, then steps)
         spec = self._specs.get(p)
         if spec is None:
@@ -91,7 +95,6 @@ class BackwardSpeculation:
             spec.future.result()  # the earlier job of this parameter (another micro-batch) is done first
         spec.snapshot_taken = threading.Event()
         spec.step, spec.hyper, spec.key, spec.live = int(st["step"].item()) + 1, dict(hyper), key, True
-        grad = local(p.grad)
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hipferry-speculate")
         spec.future = self._worker.submit(self._speculate, spec, lp, grad, st, amsgrad)
