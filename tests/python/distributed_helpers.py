@@ -154,6 +154,33 @@ def ddp_overlap_worker(rank, port, out_dir):
         dist.destroy_process_group()
 
 
+def fsdp2_overlap_worker(rank, port, out_dir):
+    """The same FSDP2 training twice on each rank: OffloadAdamW without overlap and with
+    overlap="backward" (issue 26). Saves both runs' local shards, state and counters."""
+    import hipferry.optim
+    init_gloo(rank, port)
+    try:
+        fully_shard = import_fully_shard()
+        runs = {}
+        for overlap in (None, "backward"):
+            model = make_mlp()
+            for layer in model:
+                if isinstance(layer, torch.nn.Linear):
+                    fully_shard(layer)
+            fully_shard(model)
+            opt = hipferry.optim.OffloadAdamW(param_groups(model), lr=LR, weight_decay=WEIGHT_DECAY, step_on="cpu",
+                                              overlap=overlap)
+            norms, _ = train(model, opt, rank_rows(make_batches(), rank), clip="torch")
+            runs[str(overlap)] = {
+                "params": {n: local(p).detach().clone() for n, p in model.named_parameters()},
+                "state": {n: {k: local(v).clone() for k, v in opt.state[p].items()}
+                          for n, p in model.named_parameters()},
+                "norms": norms, "stats": opt.overlap_stats()}
+        torch.save(runs, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
 def import_fully_shard():
     try:
         from torch.distributed.fsdp import fully_shard

@@ -217,3 +217,30 @@ def test_hf_trainer_with_max_grad_norm_is_bit_identical(tmp_path):
     fired = sum(n > 2.7 for n in norms)
     assert 0 < fired < 20, norms  # clipping fires in some steps, not all
     assert s["committed"] > 0 and s["redone"] > 0, s
+
+
+@pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                    reason="torch.distributed with the gloo backend is not available in this torch")
+def test_fsdp2_two_ranks_are_bit_identical_to_fsdp2_without_overlap(tmp_path):
+    import distributed_helpers as dh
+    try:
+        dh.import_fully_shard()
+    except ImportError as e:
+        pytest.skip(f"FSDP2 fully_shard is not importable in torch {torch.__version__}: {e}")
+    dh.spawn(dh.fsdp2_overlap_worker, dh.free_port(), str(tmp_path))
+    for rank in range(dh.WORLD_SIZE):
+        runs = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        plain, overlapped = runs["None"], runs["backward"]
+        assert plain["norms"] == overlapped["norms"]
+        for name, want in plain["params"].items():
+            assert torch.equal(overlapped["params"][name], want), f"rank {rank}: {name}"
+            for k, t in plain["state"][name].items():
+                assert torch.equal(overlapped["state"][name][k], t), f"rank {rank}: {name} {k}"
+        # FSDP2 runs the sharded parameters' post-accumulate-grad hooks once their reduced gradient is
+        # assigned: every step starts from it, kept where clipping left it, redone where it fired.
+        s = overlapped["stats"]
+        n_params = len(plain["params"])
+        fired = sum(norm > dh.MAX_NORM for norm in plain["norms"])
+        assert 0 < fired < dh.STEPS, plain["norms"]
+        assert s["started"] == dh.STEPS * n_params, s
+        assert s["committed"] == (dh.STEPS - fired) * n_params and s["redone"] == fired * n_params, s
