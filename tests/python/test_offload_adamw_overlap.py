@@ -1,13 +1,17 @@
-"""OffloadAdamW(overlap="backward") (issue 26, first slice; Note [speculative
-step] in hipferry/optim/speculation.py): parameters stepped on the CPU are
-stepped speculatively during backward and committed or redone at step(). The
-oracle is the same optimizer without overlap, bit for bit (hipferry owns both
+"""OffloadAdamW(overlap="backward") (issue 26; Note [speculative step] in
+hipferry/optim/speculation.py): parameters stepped on the CPU are stepped
+speculatively during backward and committed or redone at step(). The oracle
+is the same optimizer without overlap, bit for bit (hipferry owns both
 sides), over 20 steps of a small transformer; the counters show that the
-speculation was used where it could be and redone where it had to be."""
+speculation was used where it could be and redone where it had to be.
+"remote": CPU parameters through the CPU engine's path for GPU parameters
+(the `cpu-remote` seam: gradient copies to the host from the hooks, host
+working copies, copies back), so that path is proven without a GPU."""
 import pytest
 import torch
 
 from hipferry.optim import OffloadAdamW
+from offload_adamw_helpers import CpuRemoteOffloadAdamW
 
 STEPS = 20
 FIRES = {0, 3, 6, 9, 12, 15, 18}  # steps whose clipping scales the gradients
@@ -37,9 +41,11 @@ def assert_same(a_model, a_opt, b_model, b_opt):
             assert torch.equal(t, b_opt.state[q][k]), k
 
 
-def train(overlap, dtype, *, clip=True, micro=1, use_accumulating=True, inject_inf_at=None, scaler=False):
+def train(overlap, dtype, *, clip=True, micro=1, use_accumulating=True, inject_inf_at=None, scaler=False,
+          remote=False):
     model = make_model(dtype)
-    opt = OffloadAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, overlap=overlap)
+    cls = CpuRemoteOffloadAdamW if remote else OffloadAdamW
+    opt = cls(model.parameters(), lr=1e-2, weight_decay=0.1, overlap=overlap, step_on="cpu")
     grad_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if scaler else None
     data = batches(dtype, STEPS * micro)
     for step in range(STEPS):
@@ -70,33 +76,38 @@ class _nothing:
         return False
 
 
+@pytest.mark.parametrize("remote", [False, True], ids=["cpu", "cpu-remote"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_steps_with_clipping_that_fires_sometimes_are_bit_identical(dtype):
-    ref_model, ref_opt = train(None, dtype)
-    model, opt = train("backward", dtype)
+def test_steps_with_clipping_that_fires_sometimes_are_bit_identical(dtype, remote):
+    ref_model, ref_opt = train(None, dtype, remote=remote)
+    model, opt = train("backward", dtype, remote=remote)
     assert_same(ref_model, ref_opt, model, opt)
     n = len(list(model.parameters()))
     s = opt.overlap_stats()
-    assert s["started"] == STEPS * n
-    assert s["committed"] == (STEPS - len(FIRES)) * n, s  # clipping with factor 1 leaves the bits: kept
-    assert s["redone"] == len(FIRES) * n, s                # clipping that fired: redone from the state
+    first = 1 if remote else 0  # (remote: the first step makes the host working copies; nothing to speculate on)
+    assert s["started"] == (STEPS - first) * n
+    assert s["committed"] == (STEPS - len(FIRES)) * n, s        # clipping with factor 1 leaves the bits: kept
+    assert s["redone"] == (len(FIRES) - first) * n, s            # clipping that fired: redone from the state
 
 
+@pytest.mark.parametrize("remote", [False, True], ids=["cpu", "cpu-remote"])
 @pytest.mark.parametrize("use_accumulating", [True, False])
-def test_two_micro_batches_step_once_bit_identically(use_accumulating):
-    ref_model, ref_opt = train(None, torch.float32, micro=2)
-    model, opt = train("backward", torch.float32, micro=2, use_accumulating=use_accumulating)
+def test_two_micro_batches_step_once_bit_identically(use_accumulating, remote):
+    ref_model, ref_opt = train(None, torch.float32, micro=2, remote=remote)
+    model, opt = train("backward", torch.float32, micro=2, use_accumulating=use_accumulating, remote=remote)
     assert_same(ref_model, ref_opt, model, opt)
     n = len(list(model.parameters()))
     s = opt.overlap_stats()
+    first = 1 if remote else 0
     # accumulating(): the first micro-batch starts nothing; without it, its speculation is replaced.
-    assert s["started"] == (1 if use_accumulating else 2) * STEPS * n, s
+    assert s["started"] == (1 if use_accumulating else 2) * (STEPS - first) * n, s
     assert s["committed"] == (STEPS - len(FIRES)) * n, s
 
 
-def test_grad_scaler_with_an_injected_inf_skips_that_step_bit_identically():
-    ref_model, ref_opt = train(None, torch.float32, scaler=True, inject_inf_at=7)
-    model, opt = train("backward", torch.float32, scaler=True, inject_inf_at=7)
+@pytest.mark.parametrize("remote", [False, True], ids=["cpu", "cpu-remote"])
+def test_grad_scaler_with_an_injected_inf_skips_that_step_bit_identically(remote):
+    ref_model, ref_opt = train(None, torch.float32, scaler=True, inject_inf_at=7, remote=remote)
+    model, opt = train("backward", torch.float32, scaler=True, inject_inf_at=7, remote=remote)
     assert_same(ref_model, ref_opt, model, opt)
     assert opt.skipped_steps == ref_opt.skipped_steps >= 1
     assert opt.overlap_stats()["started"] > 0

@@ -274,27 +274,58 @@ class OffloadAdamW(torch.optim.Optimizer):
         grad = local(p.grad)
         slot.grad_copy = offload(grad, pool=self._pool)
         slot.copied_grad, slot.copied_version = grad, tensor_version(grad)
+        self._speculate_remote(p, slot)
 
     def _speculate(self, p: torch.Tensor, slot: Optional[_Slot], grad: Optional[torch.Tensor] = None) -> None:
         """overlap="backward", a parameter stepped in place on the CPU: its step starts now,
         from `grad` (default: p.grad)."""
+        found = self._speculation_inputs(p, slot)
+        if found is not None and not self._is_remote(p):
+            st, group, hyper = found
+            self._speculation.start(p, st, hyper, group["amsgrad"], slot.seen, grad)
+
+    def _speculate_remote(self, p: torch.Tensor, slot: _Slot) -> None:
+        """overlap="backward", a parameter the CPU engine steps from a host copy of its
+        gradient (a GPU parameter): its step starts once that copy is done, on the
+        host working copy (the first step makes it: nothing to speculate on before)."""
+        found = self._speculation_inputs(p, slot)
+        if found is None:
+            return
+        st, group, hyper = found
+        master, host_param = st.get("master_param"), slot.host_param
+        if (master is None and host_param is None) or (master is not None and slot.host_out is None):
+            return
+        transfer, events = slot.grad_copy, list(self._copies_back)
+
+        def fetch_grad() -> torch.Tensor:  # (on the worker) the copy started above, handed over once
+            host = transfer.wait()
+            if slot.grad_copy is transfer:
+                slot.grad_copy = _Done(host)
+            return host
+
+        def before_write() -> None:  # the last step's copies back read host buffers
+            for event in events:
+                event.synchronize()
+
+        self._speculation.start(p, st, hyper, group["amsgrad"], slot.seen, fetch_grad=fetch_grad,
+                                target=lambda: real(host_param), before_write=before_write)
+
+    def _speculation_inputs(self, p: torch.Tensor, slot: Optional[_Slot]) -> Optional[tuple]:
+        """(state, group, hyperparameters) of a parameter to speculate on, or None."""
         spec, st = self._speculation, self.state.get(p)
-        if slot is None or slot.where != "host" or self._is_remote(p):
-            return
-        if spec is None or st is None or param_dtype(local(p)) == torch.float64 or \
-                not spec.eligible(local(p), st):
-            return
+        if spec is None or slot is None or slot.where != "host" or st is None or \
+                param_dtype(local(p)) == torch.float64 or not spec.eligible(local(p), st):
+            return None
         group = self._group_by_param.get(id(p))
         if group is None or not any(q is p for q in group["params"]):
             self._group_by_param = {id(q): g for g in self.param_groups for q in g["params"]}
             group = self._group_by_param.get(id(p))
             if group is None:
-                return
+                return None
         try:
-            hyper = self._hyper(group)
+            return st, group, self._hyper(group)
         except Exception:  # a bad hyperparameter: step() names it; nothing to speculate on
-            return
-        spec.start(p, st, hyper, group["amsgrad"], slot.seen, grad)
+            return None
 
     def register_ddp_comm_hook(self, ddp_model: Any, process_group: Any = None) -> None:
         """overlap="backward" under DistributedDataParallel: a parameter's gradient
@@ -413,8 +444,10 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._reread_if_written(p, st, slot)
             st["step"] += 1
             step = int(st["step"].item())
-            if spec is not None and not self._is_remote(p) and slot.where == "host" and \
-                    spec.try_commit(p, st, hypers[id(group)], step):
+            committed = spec.try_commit(p, st, hypers[id(group)], step) \
+                if spec is not None and not self._is_remote(p) and slot.where == "host" else None
+            if committed is not None:
+                real(local(p)).copy_(committed["out"] if "master_param" in st else committed["target"])
                 slot.seen = param_key(local(p))  # (committed: the parameter holds its new values)
             elif slot.where == "device" or not self._is_remote(p) or param_dtype(local(p)) == torch.float64:
                 self._step_in_place(group, hypers[id(group)], p, st, step)
@@ -597,8 +630,16 @@ class OffloadAdamW(torch.optim.Optimizer):
             slot.host_param.copy_(real(lp))
         if master is not None and slot.host_out is None:
             slot.host_out = self._host_tensor_like(m, lp.dtype)
-        self._fused_step(hyper, master if master is not None else slot.host_param, grad, st,
-                         group["amsgrad"], slot.host_out if master is not None else None, step)
+        spec = self._speculation
+        committed = spec.try_commit(p, st, hyper, step, grad) if spec is not None else None
+        if committed is not None:  # the new values are in the scratch: it becomes the host buffer
+            if master is not None:
+                slot.host_out, committed["out"] = committed["out"], slot.host_out
+            else:
+                slot.host_param, committed["target"] = committed["target"], slot.host_param
+        else:
+            self._fused_step(hyper, master if master is not None else slot.host_param, grad, st,
+                             group["amsgrad"], slot.host_out if master is not None else None, step)
         real(lp).copy_(slot.host_out if master is not None else slot.host_param, non_blocking=True)
         slot.seen = param_key(lp)
 

@@ -79,25 +79,36 @@ class BackwardSpeculation:
 
     # ----------------------------------------------------------- backward side
     def start(self, p: torch.Tensor, st: dict, hyper: dict, amsgrad: bool, seen: Optional[tuple],
-              grad: Optional[torch.Tensor] = None) -> None:
-        """From the post-accumulate-grad hook (or DDP's comm hook, with the reduced
-        `grad`): step `p` speculatively on the worker."""
+              grad: Optional[torch.Tensor] = None, *, fetch_grad: Optional[Callable[[], torch.Tensor]] = None,
+              target: Optional[Callable[[], torch.Tensor]] = None,
+              before_write: Optional[Callable[[], None]] = None) -> None:
+        """Step `p` speculatively on the worker. From the post-accumulate-grad hook
+        (or DDP's comm hook, with the reduced `grad`). For a parameter that lives
+        elsewhere than its state (a GPU parameter): `fetch_grad` returns the host
+        copy of its gradient (on the worker: it may wait for the copy), `target`
+        the float32 host working copy to step (without a master), and
+        `before_write` waits until nothing reads the scratch any more (copies
+        back of the last step)."""
         lp = local(p)
         key = self._param_key(lp)
-        if grad is None:
+        if grad is None and fetch_grad is None:
             grad = None if p.grad is None else local(p.grad)
-        if not self.enabled or key != seen or grad is None or grad.is_sparse:
+        if not self.enabled or key != seen or (fetch_grad is None and (grad is None or grad.is_sparse)):
             return  # (a write not yet read into the master: step() reads it first, then steps)
         spec = self._specs.get(p)
         if spec is None:
             spec = self._specs[p] = _Speculation()
         elif spec.future is not None:
-            spec.future.result()  # the earlier job of this parameter (another micro-batch) is done first
+            spec.future.exception()  # the earlier job of this parameter (another micro-batch) is done first
         spec.snapshot_taken = threading.Event()
         spec.step, spec.hyper, spec.key, spec.live = int(st["step"].item()) + 1, dict(hyper), key, True
+        if fetch_grad is None:
+            fetch_grad = (lambda g=grad: g)
+        if target is None:
+            target = (lambda: real(lp))
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hipferry-speculate")
-        spec.future = self._worker.submit(self._speculate, spec, lp, grad, st, amsgrad)
+        spec.future = self._worker.submit(self._speculate, spec, lp, fetch_grad, target, before_write, st, amsgrad)
         self.started += 1
         task = current_graph_task_id()
         if task != -1 and task != self._waiting_task:
@@ -105,10 +116,12 @@ class BackwardSpeculation:
             queue_end_of_backward(self._wait_for_snapshots)
 
     @torch.no_grad()
-    def _speculate(self, spec: _Speculation, lp: torch.Tensor, grad: torch.Tensor, st: dict, amsgrad: bool) -> None:
+    def _speculate(self, spec: _Speculation, lp: torch.Tensor, fetch_grad: Callable, target: Callable,
+                   before_write: Optional[Callable], st: dict, amsgrad: bool) -> None:
         m = real(st["exp_avg"])
         s = spec.scratch
         try:
+            grad = fetch_grad()
             if "grad" not in s:
                 s["grad"] = self._scratch_like(m, lp.dtype)
                 for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param"):
@@ -121,14 +134,16 @@ class BackwardSpeculation:
             s["grad"].copy_(aligned(real(grad), m))
         finally:
             spec.snapshot_taken.set()
+        if before_write is not None:
+            before_write()
         for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param"):
             if k in st and k in s:
                 s[k].copy_(st[k])
-        target = s.get("master_param") if "master_param" in st else s["target"]
+        stepped = s.get("master_param") if "master_param" in st else s["target"]
         if "master_param" not in st:
-            target.copy_(real(lp))
+            stepped.copy_(target())
         state = {k: s[k] for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if k in st}
-        self._fused_step(spec.hyper, target, s["grad"], state, amsgrad, s.get("out"), spec.step)
+        self._fused_step(spec.hyper, stepped, s["grad"], state, amsgrad, s.get("out"), spec.step)
 
     def _wait_for_snapshots(self) -> None:
         self._waiting_task = None
@@ -154,34 +169,36 @@ class BackwardSpeculation:
             spec.live = False
 
     @torch.no_grad()
-    def try_commit(self, p: torch.Tensor, st: dict, hyper: dict, step: int) -> bool:
+    def try_commit(self, p: torch.Tensor, st: dict, hyper: dict, step: int,
+                   grad: Optional[torch.Tensor] = None) -> Optional[Dict[str, torch.Tensor]]:
         """After step() advanced the count to `step`: commit `p`'s speculation if
-        it stepped exactly what step() would step now (see the Note). False: step
-        it the ordinary way (its state is untouched)."""
+        it stepped exactly what step() would step now with `grad` (default
+        p.grad; see the Note): the state tensors take the scratch state, and the
+        scratch (its "out" or "target": the new parameter values) is returned.
+        None: step it the ordinary way (its state is untouched)."""
         spec = self._specs.get(p)
         if spec is None or not spec.live:
-            return False
+            return None
         spec.live = False
         if spec.future is None or spec.future.exception() is not None:
             self.redone += 1
-            return False
+            return None
         lp = local(p)
         m = real(st["exp_avg"])
         bits = _BITS[lp.dtype]
-        now = aligned(real(local(p.grad)), m)
+        now = aligned(real(local(p.grad) if grad is None else grad), m)
         same = (spec.step == step and spec.hyper == hyper and spec.key == self._param_key(lp)
                 and now.dtype == spec.scratch["grad"].dtype
                 and torch.equal(now.view(bits), spec.scratch["grad"].view(bits)))
         if not same:
             self.redone += 1
-            return False
+            return None
         s = spec.scratch
         for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param"):
             if k in st:
                 _swap_storage(st[k], s[k])
-        real(lp).copy_(s["out"] if "master_param" in st else s["target"])
         self.committed += 1
-        return True
+        return s
 
     def close(self) -> None:
         if self._worker is not None:
