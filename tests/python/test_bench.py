@@ -175,8 +175,8 @@ def test_optim_suite_measures_every_contender_against_the_bound(tmp_path):
     # Issue 26: the overlapped step against the plain one, its speculations kept or redone as clipping says.
     overlap = {(row["measure"], row["contender"]): row for row in rows if row["measure"].startswith("overlap")}
     for regime in ("clipping never fires", "clipping always fires"):
-        plain = overlap[(f"overlap, {regime}", "OffloadAdamW(overlap=None)")]
-        spec = overlap[(f"overlap, {regime}", "OffloadAdamW(overlap='backward')")]
+        plain = overlap[(f"overlap on cpu, {regime}", "OffloadAdamW(overlap=None)")]
+        spec = overlap[(f"overlap on cpu, {regime}", "OffloadAdamW(overlap='backward')")]
         assert plain["committed"] == plain["redone"] == 0 and plain["critical_path_vs_plain"] == 1.0
         assert all(row["backward_end_to_step_end_s"] > 0 and row["iteration_s"] > row["backward_s"] > 0
                    for row in (plain, spec))

@@ -515,7 +515,8 @@ def optim_suite(ctx: Context) -> SuiteResult:
     OffloadAdamW, missing = _offload_adamw()
     gpu = ctx.device == "cuda" and torch.cuda.is_available()
     overlap_rounds = 4 if ctx.quick else max(5, ctx.repeats) + 1
-    total = 1 + 4 * len(_cpu_sizes(ctx)) + overlap_rounds + ((1 + 4 * len(_gpu_sizes(ctx))) if gpu else 0)
+    total = 1 + 4 * len(_cpu_sizes(ctx)) + overlap_rounds * (2 if gpu else 1) + \
+        ((1 + 4 * len(_gpu_sizes(ctx))) if gpu else 0)
     step = _Progress(ctx, total)
     rows, notes, plots = [], [], []
     if missing:
@@ -524,6 +525,7 @@ def optim_suite(ctx: Context) -> SuiteResult:
     overlap_rows(ctx, rows, notes, step)
     if gpu:
         _gpu_part(ctx, rows, notes, plots, step, OffloadAdamW)
+        overlap_rows(ctx, rows, notes, step, device="cuda")
     else:
         notes.append("GPU part skipped: no GPU (run with --device cuda on a machine with one)")
     notes += [f"CPU: {torch.get_num_threads()} torch threads; seconds = best of {_repeats(ctx)} interleaved rounds "
