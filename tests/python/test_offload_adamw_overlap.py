@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hipferry.optim import OffloadAdamW
+from conftest import requires_gpu
 from offload_adamw_helpers import CpuRemoteOffloadAdamW
 
 STEPS = 20
@@ -250,3 +251,32 @@ def test_fsdp2_two_ranks_are_bit_identical_to_fsdp2_without_overlap(tmp_path):
     dh.spawn(dh.fsdp2_overlap_worker, dh.free_port(), str(tmp_path))
     # FSDP2 runs the sharded parameters' post-accumulate-grad hooks once their reduced gradient is assigned.
     check_ranks_against_the_plain_run(tmp_path, started_steps=1)
+
+
+def forward_reads(overlap, device, remote):
+    """What every forward of 8 steps read: the parameters as a forward pre-hook sees them.
+    On a GPU the copies back are asynchronous: a forward that ran before its parameters'
+    update landed would read other values than the run without overlap."""
+    model = make_model(torch.float32).to(device)
+    cls = CpuRemoteOffloadAdamW if remote else OffloadAdamW
+    opt = cls(model.parameters(), lr=1e-2, overlap=overlap, step_on="cpu", min_offload_numel=0)
+    reads = []
+    model.register_forward_pre_hook(lambda m, args: reads.append([p.detach().clone() for p in m.parameters()]))
+    for step, x in enumerate(batches(torch.float32, 8)):
+        loss_of(model, x.to(device)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05 if step in FIRES else 1e6)
+        opt.step()
+        opt.zero_grad()
+    return [[t.cpu() for t in r] for r in reads], opt
+
+
+@pytest.mark.parametrize("device, remote", [("cpu", False), ("cpu", True),
+                                            pytest.param("cuda", False, marks=requires_gpu)],
+                         ids=["cpu", "cpu-remote", "cuda"])
+def test_every_forward_reads_the_parameters_its_step_left(device, remote):
+    plain, _ = forward_reads(None, device, remote)
+    overlapped, opt = forward_reads("backward", device, remote)
+    assert len(plain) == len(overlapped) == 8
+    for step, (want, got) in enumerate(zip(plain, overlapped)):
+        assert all(torch.equal(a, b) for a, b in zip(want, got)), f"forward {step} read other parameters"
+    assert opt.overlap_stats()["committed"] > 0
