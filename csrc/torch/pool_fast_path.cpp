@@ -110,7 +110,7 @@ bool pool_id_of(PyObject* id, std::int64_t& out) {
 // getters; no Python frame runs). The conjugate bit exists on complex tensors
 // only, which the caller leaves to the slow path. -1: a Python error.
 int plain_tensor(PyObject* obj) {
-  static PyObject* const tensor = py::object(py::module_::import("torch").attr("Tensor")).release().ptr();
+  static PyObject* const tensor = torch_tensor_type();
   static PyObject* const parameter =
       py::object(py::module_::import("torch").attr("nn").attr("Parameter")).release().ptr();
   static PyObject* const requires_grad = PyUnicode_InternFromString("requires_grad");
@@ -182,9 +182,10 @@ PyObject* pool_pin_fast(PyObject* /*module*/, PyObject* const* args, Py_ssize_t 
   return python_call([&]() -> PyObject* {
     Tensor src;
     Shape shape;
+    ScalarType type = ScalarType::Undefined;
     try {  // anything the stable ABI cannot describe (a nested tensor's sizes) is the slow path's to name
       src = tensor_from_python(args[1], "hipferry.pin: tensor");
-      const ScalarType type = src.scalar_type();
+      type = src.scalar_type();
       if (!src.is_cpu() || src.layout() != torch::headeronly::Layout::Strided || is_quantized(type) ||
           is_complex(type) || !src.is_contiguous()) {
         return py::none().release().ptr();
@@ -193,7 +194,7 @@ PyObject* pool_pin_fast(PyObject* /*module*/, PyObject* const* args, Py_ssize_t 
     } catch (const std::exception&) {
       return py::none().release().ptr();
     }
-    Tensor out = pool_empty(pool_id, shape, src.scalar_type());
+    Tensor out = pool_empty(pool_id, shape, type);
     const std::size_t nbytes = nbytes_of(src);
     if (nbytes <= kInlineCopyBytes) {
       if (nbytes != 0) std::memcpy(out.mutable_data_ptr(), src.const_data_ptr(), nbytes);

@@ -39,12 +39,6 @@ struct Bridge {
   WrapTensor wrap = nullptr;    // kThpVariable213
 };
 
-// torch.Tensor, looked up once (the module never unloads: deliberately leaked).
-PyObject* tensor_type() {
-  static PyObject* type = py::object(py::module_::import("torch").attr("Tensor")).release().ptr();
-  return type;
-}
-
 // A library loaded beside the one that holds a shim we link (libtorch_cpu), or null.
 void* loaded_torch_library(const char* file_name) {
   Dl_info info{};
@@ -74,7 +68,7 @@ bool thp_variable_213_agrees(WrapTensor wrap) {
     return false;
   }
   py::object back = py::reinterpret_steal<py::object>(wrap(t.get()));
-  return back && PyObject_IsInstance(back.ptr(), tensor_type()) == 1 && back.is(probe);  // the same Python object
+  return back && PyObject_IsInstance(back.ptr(), torch_tensor_type()) == 1 && back.is(probe);  // the same Python object
 }
 
 // The bridge of this process (see the Note). Called with the GIL held.
@@ -140,7 +134,7 @@ py::object bridge_op(const char* name) {
 }
 
 void check_tensor(py::handle obj, const char* what, std::size_t index, bool indexed) {
-  const int is = PyObject_IsInstance(obj.ptr(), tensor_type());
+  const int is = PyObject_IsInstance(obj.ptr(), torch_tensor_type());
   if (is < 0) throw py::error_already_set();
   if (is == 0) {
     const std::string type = py::str(py::type::handle_of(obj).attr("__name__"));
@@ -163,6 +157,12 @@ Tensor from_direct(py::handle obj) {
 bool direct() { return bridge().kind != BridgeKind::kStashOp; }
 
 }  // namespace
+
+// (The module never unloads: the reference is deliberately kept.)
+PyObject* torch_tensor_type() {
+  static PyObject* type = py::object(py::module_::import("torch").attr("Tensor")).release().ptr();
+  return type;
+}
 
 void init_tensor_bridge() { (void)bridge(); }
 

@@ -46,6 +46,9 @@ std::vector<Tensor> tensors_from_python(pybind11::handle sequence, const char* w
 pybind11::object tensor_to_python(const Tensor& t);
 pybind11::list tensors_to_python(const std::vector<Tensor>& ts);
 
+// torch.Tensor (the type object), looked up once.
+PyObject* torch_tensor_type();
+
 // "pyobject shim", "torch 2.13 THPVariable" or "stash op": the way in use (see the Note).
 std::string tensor_bridge_kind();
 

@@ -23,6 +23,7 @@ import torch
 
 import hipferry
 
+from . import best_of_interleaved
 from .. import _C
 from ..pool import PinnedPool
 
@@ -40,12 +41,7 @@ def _per_call(fn, calls):
 
 
 def _race(contenders, calls, rounds):
-    best = {k: float("inf") for k in contenders}
-    timers = {k: _per_call(f, calls) for k, f in contenders.items()}
-    for _ in range(rounds):
-        for k, timed in timers.items():
-            best[k] = min(best[k], timed())
-    return best
+    return best_of_interleaved({k: _per_call(f, calls) for k, f in contenders.items()}, rounds)
 
 
 def _rows(rows, measure, nbytes, best, baseline):

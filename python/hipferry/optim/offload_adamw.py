@@ -313,9 +313,8 @@ class OffloadAdamW(torch.optim.Optimizer):
     def _speculation_inputs(self, p: torch.Tensor, slot: Optional[_Slot]) -> Optional[tuple]:
         """(state, group, hyperparameters) of a parameter to speculate on, or None."""
         spec, st = self._speculation, self.state.get(p)
-        if spec is None or slot is None or slot.where != "host" or st is None or \
-                param_dtype(local(p)) == torch.float64 or not spec.eligible(local(p), st):
-            return None
+        if spec is None or slot is None or slot.where != "host" or st is None or not spec.eligible(local(p), st):
+            return None  # (eligible: float32 / bf16 / fp16 only; float64 steps with torch ops)
         group = self._group_by_param.get(id(p))
         if group is None or not any(q is p for q in group["params"]):
             self._group_by_param = {id(q): g for g in self.param_groups for q in g["params"]}
@@ -334,6 +333,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         ``ddp_model``'s communication hook, followed by the start of each
         bucket parameter's step from the reduced gradient. (Without it, every
         speculation is redone at step(): correct, no gain.)"""
+        import torch.distributed as dist
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
         from torch.nn.parallel import DistributedDataParallel
         if self._speculation is None:
             raise ValueError("OffloadAdamW.register_ddp_comm_hook: this optimizer was built without "
@@ -341,10 +342,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         if not isinstance(ddp_model, DistributedDataParallel):
             raise TypeError("OffloadAdamW.register_ddp_comm_hook: ddp_model must be a "
                             f"torch.nn.parallel.DistributedDataParallel, got {type(ddp_model).__name__}")
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
         ref = weakref.ref(self)
-
-        import torch.distributed as dist
 
         # (DDP checks these annotations)
         def allreduce_then_step(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
