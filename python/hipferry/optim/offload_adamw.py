@@ -25,10 +25,11 @@ import torch
 from .. import _C
 from ..pool import PinnedPool, default_pool
 from ..torch_private import amp_unscale_, tensor_version
-from ..transfer import Transfer, offload
+from ..transfer import Transfer
 from . import calibration
 from .checks import (LOW_PRECISION, TORCH_FLAG_DEFAULTS, check_flag, check_grad, check_group_options,
                      check_loadable, check_norm_args, check_param, param_dtype, scalar_value, split_params)
+from .device_copies import DeviceCopies
 from .layout import aligned, memory_flat, real, shaped, state_strides, torch_ops_step
 from .speculation import BackwardSpeculation
 from .state import format_bytes, local, state_keys, to_global_state, torch_group_defaults
@@ -121,6 +122,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._slots: Dict[torch.Tensor, _Slot] = {}
         self._hooks: list = []
         self._streamers: Dict[int, Any] = {}     # GPU index -> _C.AdamWStreamer
+        self._copies = DeviceCopies()  # CPU engine, GPU parameters: gradient copies in, new values back
         self._copies_back: list = []  # CPU engine: per device, an event after the last step's copies back
         self._requested_step_on = step_on
         self.step_on = "cpu"
@@ -272,7 +274,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         if self.step_on != "cpu":
             return
         grad = local(p.grad)
-        slot.grad_copy = offload(grad, pool=self._pool)
+        slot.grad_copy = self._copies.to_host(grad, self._pool)
         slot.copied_grad, slot.copied_version = grad, tensor_version(grad)
         self._speculate_remote(p, slot)
 
@@ -391,7 +393,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             copy = slot.grad_copy
             self.grad_copies_reused += 1
         else:
-            copy = offload(grad, pool=self._pool)  # changed since the hook (accumulation, clipping, scaling)
+            copy = self._copies.to_host(grad, self._pool)  # changed since the hook (accumulation, clipping, scaling)
             self.grad_copies_made_at_step += 1
         slot.grad_copy, slot.copied_grad = None, None
         return copy.wait()
@@ -422,11 +424,14 @@ class OffloadAdamW(torch.optim.Optimizer):
             # masters and host copies now: the state read after a skipped step is current.
             self._reread_written()
             return loss
+        scale = getattr(self, "grad_scale", None) if scaler_driven else None
         if scaler_driven:
-            if getattr(self, "grad_scale", None) is None:
+            if scale is None:
                 self._drop_grad_copies()  # scaler.unscale_ changed the gradients in place, with no version bump
             else:
-                self._unscale([p for _, p in work], self.grad_scale)
+                self._unscale([p for _, p in work], scale)
+        if spec is not None:  # the next backward's speculations unscale as this step did (the scale rarely changes)
+            spec.inv_scale = None if scale is None else _inv_scale(scale).cpu()
         # A parameter without a gradient is not stepped, but a write to it still reaches its
         # master and host copy now, as after a skipped step: the state read after step() is current.
         stepping = {id(p) for _, p in work}
@@ -463,10 +468,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._step_host_for_gpu(group, hypers[id(group)], p, step)
         if spec is not None:
             spec.drop()  # speculations of parameters without a gradient now: stale next step
-        for device in sorted({p.device.index for _, p, _ in host_gpu if p.device.type == "cuda"}):
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(device))
-            self._copies_back.append(event)
+        self._copies_back.extend(self._copies.mark([p for _, p, _ in host_gpu]))
         return loss
 
     def _validate_step(self) -> tuple:
@@ -508,7 +510,7 @@ class OffloadAdamW(torch.optim.Optimizer):
     def _unscale(self, params: List[torch.Tensor], scale: torch.Tensor) -> None:
         """What GradScaler.unscale_ does (the same op and factor), applied to the
         CPU engine's host copies where they are current, else to p.grad."""
-        inv = scale.double().reciprocal().float()
+        inv = _inv_scale(scale)
         groups: Dict[tuple, list] = {}
         for p in params:
             slot, grad = self._slots[p], local(p.grad)
@@ -638,7 +640,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         else:
             self._fused_step(hyper, master if master is not None else slot.host_param, grad, st,
                              group["amsgrad"], slot.host_out if master is not None else None, step)
-        real(lp).copy_(slot.host_out if master is not None else slot.host_param, non_blocking=True)
+        self._copies.back(real(lp), slot.host_out if master is not None else slot.host_param)
         slot.seen = param_key(lp)
 
     def _streamable(self, p: torch.Tensor, st: dict) -> bool:
@@ -877,6 +879,11 @@ class _Done:
 
     def wait(self) -> torch.Tensor:
         return self._host
+
+
+def _inv_scale(scale: torch.Tensor) -> torch.Tensor:
+    """The factor GradScaler unscales by (GradScaler.unscale_'s own formula)."""
+    return scale.double().reciprocal().float()
 
 
 def _as_local(t: Any) -> torch.Tensor:

@@ -25,16 +25,18 @@ Note [speculative step]
   for correctness: the last micro-batch's speculation sees the sum).
 Invariants: state and parameters change only inside step(); the worker reads
 them only while no step() or load_state_dict runs (those wait for it first);
-a speculation's scratch is written by one job at a time (one worker, FIFO).
+a speculation's scratch is written by one job at a time (its step job waits
+for its snapshot job, a new start for its last step job). Jobs go through
+one `submit` (WorkerThread), so tests run them in adversarial orders
+(tests/python/test_offload_adamw_overlap_order.py).
 """
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional
 
 import torch
 
-from ..torch_private import current_graph_task_id, queue_end_of_backward
+from ..torch_private import amp_unscale_, current_graph_task_id, queue_end_of_backward
 from .layout import aligned, memory_flat, real
 from .state import local
 
@@ -45,12 +47,32 @@ _BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16:
 class _Speculation:
     """One parameter's speculative step: its inputs and its scratch results."""
     scratch: Dict[str, torch.Tensor] = field(default_factory=dict)  # grad snapshot, state keys, target, out
-    future: Optional[Future] = None       # the worker's job
-    snapshot_taken: threading.Event = field(default_factory=threading.Event)
+    snapshot: Optional[Future] = None     # the job that copies the gradient into scratch["grad"]
+    future: Optional[Future] = None       # the job that steps the scratch (after `snapshot`)
     step: int = 0                         # the step count it stepped to
     hyper: Optional[dict] = None          # the group's hyperparameters it used
     key: Optional[tuple] = None           # param_key of the parameter it read
+    inv_scale: Optional[torch.Tensor] = None  # the factor it unscaled the snapshot by (GradScaler), or None
     live: bool = False                    # a job was started since the last step / drop
+
+
+class WorkerThread:
+    """Where speculative jobs run: one thread, first in first out, made on first
+    use. The only scheduler the optimizer uses; the order tests put a fake with
+    the same `submit` in its place (tests/python/overlap_fakes.py)."""
+
+    def __init__(self):
+        self._pool: Optional[ThreadPoolExecutor] = None
+
+    def submit(self, fn: Callable, *args) -> Future:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hipferry-speculate")
+        return self._pool.submit(fn, *args)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
 
 class BackwardSpeculation:
@@ -62,10 +84,11 @@ class BackwardSpeculation:
         self._fused_step = fused_step
         self._param_key = param_key
         self._scratch_like = scratch_like
-        self._worker: Optional[ThreadPoolExecutor] = None
+        self.scheduler = WorkerThread()  # runs the jobs (a job may wait only for jobs submitted before it)
         self._specs: Dict[torch.Tensor, _Speculation] = {}
         self._waiting_task = None  # the backward whose end waits for its snapshots
         self.enabled = True        # False inside OffloadAdamW.accumulating()
+        self.inv_scale: Optional[torch.Tensor] = None  # GradScaler's last factor: snapshots are unscaled by it
         self.committed = 0
         self.redone = 0
         self.started = 0
@@ -100,15 +123,14 @@ class BackwardSpeculation:
             spec = self._specs[p] = _Speculation()
         elif spec.future is not None:
             spec.future.exception()  # the earlier job of this parameter (another micro-batch) is done first
-        spec.snapshot_taken = threading.Event()
         spec.step, spec.hyper, spec.key, spec.live = int(st["step"].item()) + 1, dict(hyper), key, True
+        spec.inv_scale = self.inv_scale
         if fetch_grad is None:
             fetch_grad = (lambda g=grad: g)
         if target is None:
             target = (lambda: real(lp))
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hipferry-speculate")
-        spec.future = self._worker.submit(self._speculate, spec, lp, fetch_grad, target, before_write, st, amsgrad)
+        spec.snapshot = self.scheduler.submit(self._take_snapshot, spec, lp, st, fetch_grad)
+        spec.future = self.scheduler.submit(self._speculate, spec, lp, target, before_write, st, amsgrad)
         self.started += 1
         task = current_graph_task_id()
         if task != -1 and task != self._waiting_task:
@@ -116,24 +138,28 @@ class BackwardSpeculation:
             queue_end_of_backward(self._wait_for_snapshots)
 
     @torch.no_grad()
-    def _speculate(self, spec: _Speculation, lp: torch.Tensor, fetch_grad: Callable, target: Callable,
-                   before_write: Optional[Callable], st: dict, amsgrad: bool) -> None:
+    def _take_snapshot(self, spec: _Speculation, lp: torch.Tensor, st: dict, fetch_grad: Callable) -> None:
         m = real(st["exp_avg"])
         s = spec.scratch
-        try:
-            grad = fetch_grad()
-            if "grad" not in s:
-                s["grad"] = self._scratch_like(m, lp.dtype)
-                for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param"):
-                    if k in st:
-                        s[k] = self._scratch_like(m, torch.float32)
-                if "master_param" in st:
-                    s["out"] = self._scratch_like(m, lp.dtype)
-                else:
-                    s["target"] = self._scratch_like(m, torch.float32)
-            s["grad"].copy_(aligned(real(grad), m))
-        finally:
-            spec.snapshot_taken.set()
+        grad = fetch_grad()
+        if "grad" not in s:
+            s["grad"] = self._scratch_like(m, lp.dtype)
+            for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param"):
+                if k in st:
+                    s[k] = self._scratch_like(m, torch.float32)
+            if "master_param" in st:
+                s["out"] = self._scratch_like(m, lp.dtype)
+            else:
+                s["target"] = self._scratch_like(m, torch.float32)
+        s["grad"].copy_(aligned(real(grad), m))
+        if spec.inv_scale is not None:  # the gradient step() will use, if the scale stays (GradScaler's op)
+            amp_unscale_([s["grad"]], torch.zeros((), dtype=torch.float32), spec.inv_scale)
+
+    @torch.no_grad()
+    def _speculate(self, spec: _Speculation, lp: torch.Tensor, target: Callable,
+                   before_write: Optional[Callable], st: dict, amsgrad: bool) -> None:
+        spec.snapshot.result()  # (done: submitted before this job; raises what it raised)
+        s = spec.scratch
         if before_write is not None:
             before_write()
         for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param"):
@@ -148,8 +174,8 @@ class BackwardSpeculation:
     def _wait_for_snapshots(self) -> None:
         self._waiting_task = None
         for spec in list(self._specs.values()):
-            if spec.live:
-                spec.snapshot_taken.wait()
+            if spec.live and spec.snapshot is not None:
+                spec.snapshot.exception()  # (waits; a failed snapshot fails its step job: redone at step())
 
     # --------------------------------------------------------------- step side
     def wait(self) -> None:
@@ -201,10 +227,8 @@ class BackwardSpeculation:
         return s
 
     def close(self) -> None:
-        if self._worker is not None:
-            self.drop()
-            self._worker.shutdown(wait=True)
-            self._worker = None
+        self.drop()
+        self.scheduler.close()
 
 
 def _swap_storage(a: torch.Tensor, b: torch.Tensor) -> None:
