@@ -2,8 +2,13 @@
 // tensors (the building block of the offloaded optimizer). CPU tensors: the
 // vectorized loop on torch's thread pool; GPU tensors: ONE kernel on the
 // current stream. Both run optim::adamw_update.
+// hipferry._C._bits_equal: the commit test of a speculative step (Note
+// [speculative step] in hipferry/optim/speculation.py).
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
+#include <atomic>
+#include <cstring>
 #include <optional>
 
 #include "csrc/core/errors.h"
@@ -72,9 +77,45 @@ void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg, 
   }
 }
 
+// Whether two dense CPU tensors of as many bytes hold the same bytes. torch.equal compares values at
+// about half the memory bandwidth; this splits memcmp over torch's thread pool and stops early once
+// a piece differs (the speculative step's commit compares every gradient at step()).
+bool bits_equal(const Tensor& a, const Tensor& b) {
+  for (const Tensor* t : {&a, &b}) {
+    HF_CHECK_VALUE(t->is_cpu() && t->layout() == torch::headeronly::Layout::Strided && t->is_contiguous(),
+                   "hipferry._bits_equal: ", t == &a ? "a" : "b", " must be a contiguous dense CPU tensor");
+  }
+  const std::size_t bytes = nbytes_of(a);
+  HF_CHECK_VALUE(bytes == nbytes_of(b), "hipferry._bits_equal: a has ", bytes, " bytes and b ", nbytes_of(b),
+                 "; expected as many");
+  const char* pa = static_cast<const char*>(a.const_data_ptr());
+  const char* pb = static_cast<const char*>(b.const_data_ptr());
+  constexpr std::int64_t kPiece = 1 << 16;  // bytes compared between looks at `differ`
+  std::atomic<bool> differ{false};
+  torch::stable::parallel_for(0, static_cast<std::int64_t>(bytes), 1 << 20, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t i = begin; i < end && !differ.load(std::memory_order_relaxed); i += kPiece) {
+      if (std::memcmp(pa + i, pb + i, static_cast<std::size_t>(std::min(kPiece, end - i))) != 0) {
+        differ.store(true, std::memory_order_relaxed);
+      }
+    }
+  });
+  return !differ.load();
+}
+
 }  // namespace
 
 void bind_adamw(py::module_& m) {
+  m.def("_bits_equal",
+        [](py::object a, py::object b) {
+          return translate_errors([&] {
+            const Tensor ta = tensor_from_python(a, "hipferry._bits_equal: a");
+            const Tensor tb = tensor_from_python(b, "hipferry._bits_equal: b");
+            py::gil_scoped_release no_gil;
+            return bits_equal(ta, tb);
+          });
+        },
+        py::arg("a"), py::arg("b"),
+        "Whether two contiguous CPU tensors of as many bytes hold the same bytes (torch's thread pool).");
   m.def("_adamw_step_",
         [](py::object param, py::object grad, py::object exp_avg, py::object exp_avg_sq, py::object max_exp_avg_sq,
            py::object param_out, std::int64_t step, double lr, double beta1, double beta2, double eps,

@@ -95,6 +95,7 @@ def call_optimizer_bindings():
                   False, False)
     streamer.synchronize()
     assert torch.equal(q, p) and streamer.chunk_numel == 64 and streamer.slots == 2
+    assert _C._bits_equal(p, q.clone()) and not _C._bits_equal(p, torch.zeros(10))
     return True
 
 
@@ -151,7 +152,7 @@ ENTRIES = {
     **dict.fromkeys(["start_prefetch", "start_offload", "Transfer", "transfer_drain", "poll_transfer_releases",
                      "transfer_stats", "transfer_batched_copy"], call_transfer_bindings),
     **dict.fromkeys(["trace_active", "trace_start", "trace_now_ns", "trace_add", "trace_stop"], call_trace_bindings),
-    **dict.fromkeys(["_adamw_step_", "AdamWStreamer"], call_optimizer_bindings),
+    **dict.fromkeys(["_adamw_step_", "AdamWStreamer", "_bits_equal"], call_optimizer_bindings),
     **dict.fromkeys(["LayerCopier", "LayerCopyTicket", "InFlightWindow"], call_scheduling_bindings),
     **dict.fromkeys(["build_info", "cpu_isa", "device_count", "numa_nodes", "numa_device_nodes", "device_info",
                      "check_host_memory", "RuntimeLayerError"], call_platform_bindings),

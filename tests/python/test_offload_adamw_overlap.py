@@ -285,3 +285,29 @@ def test_every_forward_reads_the_parameters_its_step_left(device, remote):
     for step, (want, got) in enumerate(zip(plain, overlapped)):
         assert all(torch.equal(a, b) for a, b in zip(want, got)), f"forward {step} read other parameters"
     assert opt.overlap_stats()["committed"] > 0
+
+
+# ----------------------------------------------------------------- the commit's bit comparison
+@pytest.mark.parametrize("numel", [0, 1, 7, 1 << 16, (1 << 20) + 3])
+def test_bits_equal_sees_any_one_flipped_bit(numel):
+    """_C._bits_equal (the commit test, split over torch's threads) against the bits themselves."""
+    from hipferry import _C
+    a = torch.randn(numel)
+    assert _C._bits_equal(a, a.clone())
+    for pos in sorted({0, numel // 2, numel - 1}) if numel else []:
+        b = a.clone()
+        b.view(torch.int32)[pos] ^= 1 << (pos % 32)
+        assert not _C._bits_equal(a, b), pos
+    if numel:  # bits, not values: -0.0 differs from 0.0, a NaN equals its own bits
+        zeros, nans = torch.zeros(numel), torch.full((numel,), float("nan"))
+        assert not _C._bits_equal(zeros, -zeros) and _C._bits_equal(nans, nans.clone())
+
+
+def test_bits_equal_rejects_what_it_cannot_compare():
+    from hipferry import _C
+    a = torch.randn(4, 4)
+    with pytest.raises(ValueError, match="a must be a contiguous dense CPU tensor"):
+        _C._bits_equal(a.t(), a)
+    with pytest.raises(ValueError, match="a has 64 bytes and b 32"):
+        _C._bits_equal(a, torch.zeros(8))
+    assert _C._bits_equal(a, a.view(torch.int32).clone())  # (any dtypes of as many bytes)

@@ -56,6 +56,7 @@ import torch
 from torch.nn import Parameter
 from torch.optim.lr_scheduler import ReduceLROnPlateau, StepLR
 
+from hipferry.optim import OffloadAdamW
 from offload_adamw_helpers import assert_params_moved, backward, make_model, snapshot, twin
 from torch_optim_parity_helpers import (ADAMW_INFO, CONFIG_DESCS, LOW_PRECISION, OptimizerErrorEnum, adamw_input,
                                         adamw_inputs, all_inputs, rotating_inputs, assert_close, assert_nested_equal,
@@ -282,7 +283,8 @@ def error_cases():
 @pytest.mark.parametrize("engine", ENGINE)
 def test_errors(engine):
     """optim_error_inputs_func_adamw: the same exception (or warning) type as torch.optim.AdamW, with a
-    message that names the argument."""
+    message that names the argument and matches torch's own regex for the case (code and tests
+    written against torch's wording keep working; issue 27)."""
     failures = []
     for err in error_cases():
         inp = err.optimizer_error_input
@@ -301,6 +303,7 @@ def test_errors(engine):
                     make_offload(engine, params, **copy.deepcopy(inp.kwargs))
                 msgs = str(info.value)
             assert re.search(name, msgs, re.IGNORECASE), f"the message does not name {name!r}: {msgs!r}"
+            assert re.search(err.error_regex, msgs), f"torch's regex {err.error_regex!r} misses {msgs!r}"
         except BaseException as e:  # noqa: BLE001 - pytest.raises/warns failures are collected
             msg = " ".join(str(e).split())
             failures.append(f"[{inp.desc}] expected {expected.__name__}: got {type(e).__name__}: {msg[:300]}")
@@ -860,6 +863,37 @@ def test_tensor_betas(engine, betas, amsgrad):
         assert_close(weight.detach().cpu(), rw.detach(), "weight vs torch.optim.AdamW with Tensor betas")
         assert_close(weight.detach(), fw.detach(), "weight, Tensor betas vs float betas")
     assert_params_moved(before, [weight])
+
+
+def assert_same_betas(got, want, what):
+    assert len(got) == len(want) == 2, what
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert type(a) is type(b), f"{what}[{i}]: {type(a).__name__} vs torch's {type(b).__name__}"
+        assert a.shape == b.shape and torch.equal(a, b), f"{what}[{i}]: {a!r} vs torch's {b!r}"
+
+
+@pytest.mark.parametrize("betas", list(TENSOR_BETAS))
+def test_tensor_betas_are_held_as_torch_holds_them(betas):
+    """torch.optim.AdamW holds 1-element Tensor betas of any shape as 0-dim tensors in its defaults
+    (and so in groups that take them, state_dict and repr); a group's own betas stay as given.
+    OffloadAdamW the same (issue 27: before, [[[0.9]]] stayed shaped [1, 1, 1])."""
+    torch.manual_seed(0)
+    w, w2 = torch.nn.Parameter(torch.randn(3, 2)), torch.nn.Parameter(torch.randn(4))
+    r, r2 = (torch.nn.Parameter(t.detach().clone()) for t in (w, w2))
+    opt = OffloadAdamW([w], betas=TENSOR_BETAS[betas]())
+    ref = torch.optim.AdamW([r], betas=TENSOR_BETAS[betas]())
+    opt.add_param_group({"params": [w2], "betas": TENSOR_BETAS["3d-2d"]()})
+    ref.add_param_group({"params": [r2], "betas": TENSOR_BETAS["3d-2d"]()})
+    for p in (w, w2, r, r2):
+        p.grad = torch.ones_like(p)
+    opt.step()
+    ref.step()
+    assert_same_betas(opt.defaults["betas"], ref.defaults["betas"], "defaults['betas']")
+    for i, (g, h) in enumerate(zip(opt.param_groups, ref.param_groups)):
+        assert_same_betas(g["betas"], h["betas"], f"param_groups[{i}]['betas']")
+    for i, (g, h) in enumerate(zip(opt.state_dict()["param_groups"], ref.state_dict()["param_groups"])):
+        assert_same_betas(g["betas"], h["betas"], f"state_dict()['param_groups'][{i}]['betas']")
+    assert repr(opt) == repr(ref).replace("AdamW (", "OffloadAdamW (", 1)
 
 
 # --------------------------------------------------------------------------- complex

@@ -24,12 +24,19 @@ def is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def scalar_value(x: Any, what: str, *, low: float = 0.0, high: Optional[float] = None) -> float:
-    """A hyperparameter as a float: a number or a 1-element real Tensor, finite, in [low, high)."""
+def scalar_value(x: Any, what: str, *, low: float = 0.0, high: Optional[float] = None,
+                 invalid: Optional[str] = None, key: Optional[str] = None) -> float:
+    """A hyperparameter as a float: a number or a 1-element real Tensor, finite, in [low, high).
+    torch.optim.AdamW's own words start the message, so code that matches torch's errors keeps
+    matching: `invalid` for a value out of range ("Invalid learning rate"), and `key` (its name
+    without the group: "lr", "betas[0]") for a Tensor of more elements."""
     if isinstance(x, torch.Tensor):
-        if x.numel() != 1 or x.is_complex() or x.dtype == torch.bool or x.device.type == "meta":
+        if x.numel() != 1:
+            raise ValueError(f"OffloadAdamW: Tensor {key or what} must be 1-element: {what} is a Tensor of "
+                             f"shape {tuple(x.shape)}; expected a number or a 1-element real Tensor")
+        if x.is_complex() or x.dtype == torch.bool or x.device.type == "meta":
             raise ValueError(f"OffloadAdamW: {what} must be a number or a 1-element real Tensor, got a Tensor of "
-                             f"shape {tuple(x.shape)} and dtype {x.dtype} on {x.device}")
+                             f"dtype {x.dtype} on {x.device}")
         value = float(x.detach().reshape(()).item())
     elif is_number(x):
         value = float(x)
@@ -37,24 +44,33 @@ def scalar_value(x: Any, what: str, *, low: float = 0.0, high: Optional[float] =
         raise ValueError(f"OffloadAdamW: {what} must be a number or a 1-element Tensor, got {x!r}")
     if not math.isfinite(value) or value < low or (high is not None and value >= high):
         bound = f"in [{low:g}, {high:g})" if high is not None else f">= {low:g}"
-        raise ValueError(f"OffloadAdamW: {what} must be a finite number {bound}, got {x!r}")
+        words = f"{invalid}: {x}; " if invalid else ""
+        raise ValueError(f"OffloadAdamW: {words}{what} must be a finite number {bound}, got {x!r}")
     return value
 
 
 def check_hyper(lr: Any, betas: Any, eps: Any, weight_decay: Any, where: str = "") -> None:
-    """`where` prefixes the names, e.g. "param_groups[1]" -> "param_groups[1]['lr']"."""
+    """`where` prefixes the names, e.g. "param_groups[1]" -> "param_groups[1]['lr']". The order
+    of the checks and the words of each message are torch.optim.AdamW's (see scalar_value)."""
     def name(key: str) -> str:
         return f"{where}[{key!r}]" if where else key
-    scalar_value(lr, name("lr"))
+    scalar_value(lr, name("lr"), invalid="Invalid learning rate", key="lr")
+    scalar_value(eps, name("eps"), invalid="Invalid epsilon value", key="eps")
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"OffloadAdamW: {name('betas')} must be two numbers in [0, 1), got {betas!r}")
     for i, b in enumerate(betas):
-        scalar_value(b, f"{name('betas')}[{i}]", high=1.0)
+        scalar_value(b, f"{name('betas')}[{i}]", high=1.0, invalid=f"Invalid beta parameter at index {i}",
+                     key=f"betas[{i}]")
+    scalar_value(weight_decay, name("weight_decay"), invalid="Invalid weight_decay value", key="weight_decay")
     if isinstance(betas[0], torch.Tensor) != isinstance(betas[1], torch.Tensor):
-        raise ValueError(f"OffloadAdamW: {name('betas')} must be either both floats or both Tensors (as "
-                         f"torch.optim.AdamW), got {betas!r}")
-    scalar_value(eps, name("eps"))
-    scalar_value(weight_decay, name("weight_decay"))
+        raise ValueError(f"OffloadAdamW: betas must be either both floats or both Tensors (as in "
+                         f"torch.optim.AdamW): {name('betas')} is {betas!r}")
+
+
+def one_dim_less(betas: Any) -> Any:
+    """torch.optim.AdamW's defaults hold Tensor betas as 0-dim tensors (its _to_scalar: a
+    1-element Tensor of more dimensions is squeezed, a view of the caller's tensor)."""
+    return tuple(b.squeeze() if isinstance(b, torch.Tensor) and b.dim() != 0 else b for b in betas)
 
 
 def check_norm_args(max_norm: Any, norm_type: Any) -> None:
@@ -98,14 +114,21 @@ def check_group_options(group: Dict[str, Any], where: str) -> None:
                          f"{group['decoupled_weight_decay']!r}")
 
 
+def unordered_params_message(where: str) -> str:
+    """torch.optim only warns (FutureWarning) about a set of parameters; OffloadAdamW refuses it, in
+    torch's words: the state's order, and with it state_dict's ids, must not change between runs."""
+    return (f"OffloadAdamW: {where} is a set; optimizer parameters need to be organized in ordered collections "
+            "(a list): the ordering of tensors in sets changes between runs, and with it which saved state "
+            "belongs to which parameter. torch.optim only warns about this; OffloadAdamW refuses it")
+
+
 def split_params(params: Any, where: str) -> Tuple[List[Any], Optional[List[str]]]:
     """A group's 'params' as a list, and the names when given as (name, tensor) pairs
     (``model.named_parameters()``), as torch.optim.Optimizer accepts them."""
     if isinstance(params, torch.Tensor):
         return [params], None
     if isinstance(params, (set, frozenset)):
-        raise TypeError(f"OffloadAdamW: {where} is a set; parameters must come in an ordered collection "
-                        "(a list), since the order of a set changes between runs")
+        raise TypeError(unordered_params_message(where))
     if isinstance(params, (str, bytes, dict)) or not isinstance(params, Iterable):
         raise TypeError(f"OffloadAdamW: {where} must be a Tensor or an iterable of Tensors or (name, Tensor) "
                         f"pairs, got {type(params).__name__}")
@@ -114,8 +137,9 @@ def split_params(params: Any, where: str) -> Tuple[List[Any], Optional[List[str]
     if not any(named):
         return items, None
     if not all(named) or not all(len(x) == 2 and isinstance(x[0], str) for x in items):
-        raise ValueError(f"OffloadAdamW: {where} mixes named and unnamed parameters; give all as (name, Tensor) "
-                         "pairs or none")
+        raise ValueError(f"OffloadAdamW: {where} mixes named and unnamed parameters: all optimizer params should "
+                         "be with/without names. Some param names are missing; give all as (name, Tensor) pairs "
+                         "or none")
     return [x[1] for x in items], [x[0] for x in items]
 
 

@@ -36,6 +36,7 @@ from typing import Callable, Dict, Optional
 
 import torch
 
+from .. import _C
 from ..torch_private import amp_unscale_, current_graph_task_id, queue_end_of_backward
 from .layout import aligned, memory_flat, real
 from .state import local
@@ -211,11 +212,9 @@ class BackwardSpeculation:
             return None
         lp = local(p)
         m = real(st["exp_avg"])
-        bits = _BITS[lp.dtype]
         now = aligned(real(local(p.grad) if grad is None else grad), m)
         same = (spec.step == step and spec.hyper == hyper and spec.key == self._param_key(lp)
-                and now.dtype == spec.scratch["grad"].dtype
-                and torch.equal(now.view(bits), spec.scratch["grad"].view(bits)))
+                and now.dtype == spec.scratch["grad"].dtype and _same_bits(now, spec.scratch["grad"], lp.dtype))
         if not same:
             self.redone += 1
             return None
@@ -229,6 +228,15 @@ class BackwardSpeculation:
     def close(self) -> None:
         self.drop()
         self.scheduler.close()
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether host tensors `a` and `b` (same shape and strides) hold the same bits: one
+    parallel memcmp of their memory (_C._bits_equal), or torch.equal of their bits."""
+    fa, fb = memory_flat(a), memory_flat(b)
+    if fa is not None and fb is not None:
+        return _C._bits_equal(fa, fb)
+    return torch.equal(a.view(_BITS[dtype]), b.view(_BITS[dtype]))
 
 
 def _swap_storage(a: torch.Tensor, b: torch.Tensor) -> None:
