@@ -57,6 +57,7 @@ from torch.nn import Parameter
 from torch.optim.lr_scheduler import ReduceLROnPlateau, StepLR
 
 from hipferry.optim import OffloadAdamW
+from hipferry.optim.offload_adamw import param_key
 from offload_adamw_helpers import assert_params_moved, backward, make_model, snapshot, twin
 from torch_optim_parity_helpers import (ADAMW_INFO, CONFIG_DESCS, LOW_PRECISION, OptimizerErrorEnum, adamw_input,
                                         adamw_inputs, all_inputs, rotating_inputs, assert_close, assert_nested_equal,
@@ -1233,8 +1234,14 @@ def test_differentiable_false_is_accepted(engine):
 WRITE_CASES = [pytest.param(e, dtype, id=f"{eid}-{tag}", marks=m)
                for e, eid, m in engine_cases()
                for dtype, tag in ((torch.float32, "f32"), (torch.bfloat16, "bf16"))]
+# Every way torch's own tests (test_optim, common_optimizers' TensorTracker, the SWA tests) and common
+# client code write parameters between steps. Those the optimizer sees by itself change the version
+# counter, the storage or the strides (param_key); the "+reload_params" ones change none of them, so
+# the user says so (README, "Writes to parameters outside step()").
 WRITES = ["model.load_state_dict", "vector_to_parameters", "copy_under_no_grad", "data_assign",
-          "data_copy+reload_params", "data_copy+reload_params_subset"]
+          "detach_copy", "view_copy", "setitem", "foreach_copy", "set_", "swap_tensors",
+          "data_copy+reload_params", "data_copy+reload_params_subset", "numpy_write+reload_params",
+          "untyped_storage_copy+reload_params"]
 WRITE_KW = dict(lr=1e-2, weight_decay=0.1)
 SUBSET = 2  # reload_params([...]) of the first two parameters
 
@@ -1256,6 +1263,63 @@ def assert_matches_twin(model, ref_model, dtype, what):
             assert_within_ulp(p.detach(), r, f"{what}, param {k}")
         else:
             assert_close(p.detach().cpu(), r.detach(), f"{what}, param {k}")
+
+
+def write_params(write, params, new):
+    """The writes between steps that show in param_key."""
+    with torch.no_grad():
+        if write == "detach_copy":  # the SWA tests' p.detach().add_: detach() shares the version counter
+            for p, t in zip(params, new):
+                p.detach().copy_(t)
+        elif write == "view_copy":
+            for p, t in zip(params, new):
+                p.view(-1).copy_(t.reshape(-1))
+        elif write == "setitem":
+            for p, t in zip(params, new):
+                p[...] = t
+        elif write == "foreach_copy":
+            torch._foreach_copy_(params, new)
+        elif write == "set_":
+            for p, t in zip(params, new):
+                p.set_(t.clone())
+        elif write == "swap_tensors":
+            for p, t in zip(params, new):
+                torch.utils.swap_tensors(p, Parameter(t.clone()))
+        else:
+            raise AssertionError(write)
+
+
+@pytest.mark.parametrize("engine,dtype", WRITE_CASES)
+def test_param_write_inside_the_closure_is_read_by_that_step(engine, dtype):
+    """A closure that writes the parameters before its backward (TensorTracker.pop_check_set in
+    torch's LBFGS-style tests: copy_ under no_grad): step(closure) steps from the written values."""
+    device = dev(engine)
+    model = make_model(device, dtype)
+    ref_model = twin(model, device="cpu", dtype=torch.float32)
+    opt = make_offload(engine, model.parameters(), **WRITE_KW)
+    ref = torch.optim.AdamW(ref_model.parameters(), foreach=False, **WRITE_KW)
+    side_by_side_steps(model, opt, ref_model, ref, 3, first=0)
+    new = [t.detach().clone() for t in make_model(device, dtype, seed=7).parameters()]
+
+    def closure_of(m, values, step):
+        def closure():
+            m.zero_grad()
+            with torch.no_grad():
+                for p, t in zip(m.parameters(), values):
+                    p.copy_(t)
+            return backward(m, step)
+        return closure
+    params = list(model.parameters())
+    opt.step(closure_of(model, new, 3))
+    ref_params = list(ref_model.parameters())
+    for p, r in zip(params, ref_params):  # the reference's gradients: the ones the written values gave
+        r.grad = p.grad.detach().float().cpu()
+    with torch.no_grad():
+        for r, t in zip(ref_params, new):
+            r.copy_(t.float().cpu())
+    ref.step()
+    assert_params_moved(new, params)
+    assert_matches_twin(model, ref_model, dtype, "the step after a write in its closure")
 
 
 @pytest.mark.parametrize("write", WRITES)
@@ -1286,9 +1350,23 @@ def test_param_write_is_read_at_next_step(engine, dtype, write):
     elif write == "data_assign":
         for p, t in zip(params, new):
             p.data = t.clone()
+    elif "+reload_params" not in write:
+        keys = [param_key(p) for p in params]
+        write_params(write, params, new)
+        assert all(param_key(p) != k for p, k in zip(params, keys)), "a write the optimizer sees by itself"
     else:
+        keys = [param_key(p) for p in params]
         for k in written:
-            params[k].data.copy_(new[k])
+            if write.startswith("numpy_write"):
+                if params[k].device.type != "cpu":
+                    pytest.skip("numpy() is on the CPU only")
+                as_bytes = params[k].detach().view(-1).view(torch.uint8).numpy()  # (numpy has no bfloat16)
+                as_bytes[...] = new[k].reshape(-1).view(torch.uint8).numpy()
+            elif write.startswith("untyped_storage_copy"):
+                params[k].untyped_storage().copy_(new[k].clone().untyped_storage())
+            else:
+                params[k].data.copy_(new[k])
+        assert [param_key(p) for p in params] == keys, "a write no version counter, pointer or stride shows"
         if write.endswith("subset"):
             opt.reload_params([params[k] for k in written])
         else:

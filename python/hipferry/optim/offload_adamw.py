@@ -545,6 +545,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         for i, p in enumerate(chosen):
             if not isinstance(p, torch.Tensor) or p not in self._slots:
                 raise ValueError(f"OffloadAdamW.reload_params: params[{i}] is not a parameter of this optimizer")
+        if self._speculation is not None:
+            self._speculation.forget(chosen)  # (stepped from the values before the write)
         for p in chosen:
             slot = self._slots[p]
             slot.seen = None

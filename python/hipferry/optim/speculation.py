@@ -13,13 +13,15 @@ Note [speculative step]
   gradients then.
 * step() waits for the worker; a speculation is COMMITTED only if the
   gradient step() would use has the snapshot's bits and the hyperparameters,
-  step count, amsgrad and the parameter (param_key) are those it used. Commit
-  swaps the scratch state into the state tensors (Tensor.set_: the same
-  tensor objects, no copy) and copies the new values into the parameter.
+  step count, amsgrad, the parameter (param_key) and the state tensors
+  (identity and version) are those it used. Commit swaps the scratch state
+  into the state tensors (Tensor.set_: the same tensor objects, no copy)
+  and copies the new values into the parameter.
   Otherwise the parameter steps as without overlap (REDO), from its untouched
   state. Either way the result is bit-identical to overlap=None.
 * A skipped step (GradScaler's inf, skip_nonfinite), zero_grad and
-  load_state_dict drop every speculation; a new backward of the same
+  load_state_dict drop every speculation, reload_params those of its
+  parameters (a write param_key does not show); a new backward of the same
   parameter replaces its own. `OffloadAdamW.accumulating()` marks
   micro-batches whose backward does not speculate (work saved, not needed
   for correctness: the last micro-batch's speculation sees the sum).
@@ -37,7 +39,7 @@ from typing import Callable, Dict, Optional
 import torch
 
 from .. import _C
-from ..torch_private import amp_unscale_, current_graph_task_id, queue_end_of_backward
+from ..torch_private import amp_unscale_, current_graph_task_id, queue_end_of_backward, tensor_version
 from .layout import aligned, memory_flat, real
 from .state import local
 
@@ -54,6 +56,7 @@ class _Speculation:
     hyper: Optional[dict] = None          # the group's hyperparameters it used
     key: Optional[tuple] = None           # param_key of the parameter it read
     inv_scale: Optional[torch.Tensor] = None  # the factor it unscaled the snapshot by (GradScaler), or None
+    state_key: Optional[tuple] = None     # the state tensors it read: identities and versions (_state_key)
     live: bool = False                    # a job was started since the last step / drop
 
 
@@ -126,6 +129,7 @@ class BackwardSpeculation:
             spec.future.exception()  # the earlier job of this parameter (another micro-batch) is done first
         spec.step, spec.hyper, spec.key, spec.live = int(st["step"].item()) + 1, dict(hyper), key, True
         spec.inv_scale = self.inv_scale
+        spec.state_key = _state_key(st)
         if fetch_grad is None:
             fetch_grad = (lambda g=grad: g)
         if target is None:
@@ -195,6 +199,20 @@ class BackwardSpeculation:
                     pass
             spec.live = False
 
+    def forget(self, params) -> None:
+        """reload_params(): the speculations of `params` read values the user has since
+        written unseen (after their jobs finished: they read the master and host copies
+        reload_params writes). Their parameters step the ordinary way: counted as redone."""
+        for p in params:
+            spec = self._specs.get(p)
+            if spec is None:
+                continue
+            if spec.future is not None:
+                spec.future.exception()  # (waits)
+            if spec.live:
+                spec.live = False
+                self.redone += 1
+
     @torch.no_grad()
     def try_commit(self, p: torch.Tensor, st: dict, hyper: dict, step: int,
                    grad: Optional[torch.Tensor] = None) -> Optional[Dict[str, torch.Tensor]]:
@@ -214,6 +232,7 @@ class BackwardSpeculation:
         m = real(st["exp_avg"])
         now = aligned(real(local(p.grad) if grad is None else grad), m)
         same = (spec.step == step and spec.hyper == hyper and spec.key == self._param_key(lp)
+                and spec.state_key == _state_key(st)
                 and now.dtype == spec.scratch["grad"].dtype and _same_bits(now, spec.scratch["grad"], lp.dtype))
         if not same:
             self.redone += 1
@@ -228,6 +247,13 @@ class BackwardSpeculation:
     def close(self) -> None:
         self.drop()
         self.scheduler.close()
+
+
+def _state_key(st: dict) -> tuple:
+    """What shows a write to a parameter's state outside step() (opt.state[p]["exp_avg"].zero_(),
+    a tensor put in its place): each state tensor's identity and version ("step" apart: step()
+    counts it before the commit, which compares the count itself)."""
+    return tuple((k, id(t), tensor_version(t)) for k, t in st.items() if k != "step" and isinstance(t, torch.Tensor))
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
