@@ -69,7 +69,7 @@ class _GpuParameterPath(OffloadAdamW):
         return True
 
 
-def overlap_rows(ctx, rows, notes, step, device="cpu"):
+def overlap_rows(ctx, rows, notes, step, device="cpu", plots=None):
     layers, width, rounds = (2, 256, 3) if ctx.quick else (4, 512, max(5, ctx.repeats))
     x = torch.randn(8, 64, width, device=device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -105,11 +105,16 @@ def overlap_rows(ctx, rows, notes, step, device="cpu"):
     for (regime, overlap), (back, crit, total) in best.items():
         plain = best[(regime, None)]
         stats = runs[(regime, overlap)][1].overlap_stats()
-        rows.append({"measure": f"overlap on {device}, {regime}", "params": n,
+        rows.append({"measure": f"overlap on {device}, {regime}", "regime": regime, "params": n,
                      "contender": f"OffloadAdamW(overlap={overlap!r})", "seconds": crit,
                      "backward_s": back, "backward_end_to_step_end_s": crit, "iteration_s": total,
                      "critical_path_vs_plain": crit / plain[1], "iteration_vs_plain": total / plain[2],
                      "committed": stats["committed"], "redone": stats["redone"]})
+    if plots is not None:
+        mine = [r for r in rows if r["measure"].startswith(f"overlap on {device}")]
+        plots.append({"kind": "bar", "x": "regime", "y": "backward_end_to_step_end_s", "series": "contender",
+                      "rows": mine, "ylabel": "backward end to step end, s (lower is better)",
+                      "title": f"OffloadAdamW overlap='backward': what stays on the critical path ({device})"})
     notes.append(f"overlap on {device}: backward end to step end = clip_grad_norm_ + step()"
                  + (" + the copies back, synchronized" if device == "cuda" else "")
                  + "; with overlap='backward' the step ran during backward"

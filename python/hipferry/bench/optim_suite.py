@@ -522,10 +522,10 @@ def optim_suite(ctx: Context) -> SuiteResult:
     if missing:
         notes.append(missing)
     _cpu_part(ctx, rows, notes, plots, step, OffloadAdamW)
-    overlap_rows(ctx, rows, notes, step)
+    overlap_rows(ctx, rows, notes, step, plots=plots)
     if gpu:
         _gpu_part(ctx, rows, notes, plots, step, OffloadAdamW)
-        overlap_rows(ctx, rows, notes, step, device="cuda")
+        overlap_rows(ctx, rows, notes, step, device="cuda", plots=plots)
     else:
         notes.append("GPU part skipped: no GPU (run with --device cuda on a machine with one)")
     notes += [f"CPU: {torch.get_num_threads()} torch threads; seconds = best of {_repeats(ctx)} interleaved rounds "
