@@ -168,31 +168,51 @@ def test_state_dict_and_load_state_dict_between_backward_and_step():
     assert ref_opt.state_dict()["state"][0]["step"] == opt.state_dict()["state"][0]["step"]
 
 
+def run_with_writes_after_backward(overlap, dtype, remote, writes):
+    """6 steps; `writes[step](model, opt)` runs between that step's backward and step()."""
+    model = make_model(dtype)
+    cls = CpuRemoteOffloadAdamW if remote else OffloadAdamW
+    opt = cls(model.parameters(), lr=1e-2, weight_decay=0.1, overlap=overlap, step_on="cpu")
+    for step, x in enumerate(batches(dtype, 6)):
+        loss_of(model, x).backward()
+        if step in writes:
+            writes[step](model, opt)
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def halve_first_param(how):
+    def write(model, opt):
+        p = next(model.parameters())
+        if how == "mul_under_no_grad":
+            with torch.no_grad():
+                p.mul_(0.5)
+        else:
+            p.data.mul_(0.5)
+            opt.reload_params([p])
+    return write
+
+
+def change_first_state(how):
+    def write(model, opt):
+        st = opt.state[next(model.parameters())]
+        if how == "zero_":
+            st["exp_avg"].zero_()
+        else:
+            st["exp_avg_sq"] = st["exp_avg_sq"].clone().mul_(4)
+    return write
+
+
 @pytest.mark.parametrize("remote", [False, True], ids=["cpu", "cpu-remote"])
 @pytest.mark.parametrize("write", ["mul_under_no_grad", "data_mul+reload_params"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_parameter_written_between_backward_and_step_is_redone(dtype, write, remote):
     """The write lands between the speculative step and step(): that parameter is redone from
     the written values (param_key shows the first write; reload_params() says the second)."""
-    def run(overlap):
-        model = make_model(dtype)
-        cls = CpuRemoteOffloadAdamW if remote else OffloadAdamW
-        opt = cls(model.parameters(), lr=1e-2, weight_decay=0.1, overlap=overlap, step_on="cpu")
-        for step, x in enumerate(batches(dtype, 6)):
-            loss_of(model, x).backward()
-            if step in (2, 4):
-                p = next(model.parameters())
-                if write == "mul_under_no_grad":
-                    with torch.no_grad():
-                        p.mul_(0.5)
-                else:
-                    p.data.mul_(0.5)
-                    opt.reload_params([p])
-            opt.step()
-            opt.zero_grad()
-        return model, opt
-    ref_model, ref_opt = run(None)
-    model, opt = run("backward")
+    writes = dict.fromkeys((2, 4), halve_first_param(write))
+    ref_model, ref_opt = run_with_writes_after_backward(None, dtype, remote, writes)
+    model, opt = run_with_writes_after_backward("backward", dtype, remote, writes)
     assert_same(ref_model, ref_opt, model, opt)
     assert opt.overlap_stats()["redone"] == 2 and opt.overlap_stats()["committed"] > 0
 
@@ -202,23 +222,9 @@ def test_a_parameter_written_between_backward_and_step_is_redone(dtype, write, r
 def test_state_written_between_backward_and_step_is_redone(write, remote):
     """opt.state[p] changed after the speculative step read it (a callback that resets a
     moment, or puts a tensor in its place): that parameter steps from the state as it is now."""
-    def run(overlap):
-        model = make_model(torch.float32)
-        cls = CpuRemoteOffloadAdamW if remote else OffloadAdamW
-        opt = cls(model.parameters(), lr=1e-2, overlap=overlap, step_on="cpu")
-        for step, x in enumerate(batches(torch.float32, 5)):
-            loss_of(model, x).backward()
-            if step == 3:
-                st = opt.state[next(model.parameters())]
-                if write == "zero_":
-                    st["exp_avg"].zero_()
-                else:
-                    st["exp_avg_sq"] = st["exp_avg_sq"].clone().mul_(4)
-            opt.step()
-            opt.zero_grad()
-        return model, opt
-    ref_model, ref_opt = run(None)
-    model, opt = run("backward")
+    writes = {3: change_first_state(write)}
+    ref_model, ref_opt = run_with_writes_after_backward(None, torch.float32, remote, writes)
+    model, opt = run_with_writes_after_backward("backward", torch.float32, remote, writes)
     assert_same(ref_model, ref_opt, model, opt)
     assert opt.overlap_stats()["redone"] == 1
 

@@ -1265,6 +1265,17 @@ def assert_matches_twin(model, ref_model, dtype, what):
             assert_close(p.detach().cpu(), r.detach(), f"{what}, param {k}")
 
 
+def twins_after_3_steps(engine, dtype):
+    """OffloadAdamW and torch.optim.AdamW on a float32 twin, 3 steps on the same gradients."""
+    device = dev(engine)
+    model = make_model(device, dtype)
+    ref_model = twin(model, device="cpu", dtype=torch.float32)
+    opt = make_offload(engine, model.parameters(), **WRITE_KW)
+    ref = torch.optim.AdamW(ref_model.parameters(), foreach=False, **WRITE_KW)
+    side_by_side_steps(model, opt, ref_model, ref, 3, first=0)
+    return device, model, opt, ref_model, ref
+
+
 def write_params(write, params, new):
     """The writes between steps that show in param_key."""
     with torch.no_grad():
@@ -1293,12 +1304,7 @@ def write_params(write, params, new):
 def test_param_write_inside_the_closure_is_read_by_that_step(engine, dtype):
     """A closure that writes the parameters before its backward (TensorTracker.pop_check_set in
     torch's LBFGS-style tests: copy_ under no_grad): step(closure) steps from the written values."""
-    device = dev(engine)
-    model = make_model(device, dtype)
-    ref_model = twin(model, device="cpu", dtype=torch.float32)
-    opt = make_offload(engine, model.parameters(), **WRITE_KW)
-    ref = torch.optim.AdamW(ref_model.parameters(), foreach=False, **WRITE_KW)
-    side_by_side_steps(model, opt, ref_model, ref, 3, first=0)
+    device, model, opt, ref_model, ref = twins_after_3_steps(engine, dtype)
     new = [t.detach().clone() for t in make_model(device, dtype, seed=7).parameters()]
 
     def closure_of(m, values, step):
@@ -1328,12 +1334,7 @@ def test_param_write_is_read_at_next_step(engine, dtype, write):
     """After the user writes the parameters (3 steps in), the next steps start from the written values:
     torch.optim.AdamW on a float32 twin (same state, same written values, same gradients) is the
     reference; bfloat16 parameters within one bf16 ulp of it."""
-    device = dev(engine)
-    model = make_model(device, dtype)
-    ref_model = twin(model, device="cpu", dtype=torch.float32)
-    opt = make_offload(engine, model.parameters(), **WRITE_KW)
-    ref = torch.optim.AdamW(ref_model.parameters(), foreach=False, **WRITE_KW)
-    side_by_side_steps(model, opt, ref_model, ref, 3, first=0)
+    device, model, opt, ref_model, ref = twins_after_3_steps(engine, dtype)
     assert_matches_twin(model, ref_model, dtype, "before the write")
 
     other = make_model(device, dtype, seed=7)
