@@ -18,10 +18,16 @@ template <class Grad, class Out, bool kAmsgrad, bool kWriteOut>
 __global__ void adamw_kernel(optim::AdamWArrays a, optim::AdamWScalars s, std::int64_t n) {
   const auto* grad = static_cast<const typename Grad::storage*>(a.grad);
   auto* out = static_cast<typename Out::storage*>(a.param_out);
+  // Out of place when AdamWArrays' *_in arrays are set (see adamw_cpu.h), else in place.
+  const bool from = a.param_in != nullptr;
+  const float* param_in = from ? a.param_in : a.param;
+  const float* m_in = from ? a.exp_avg_in : a.exp_avg;
+  const float* v_in = from ? a.exp_avg_sq_in : a.exp_avg_sq;
+  const float* max_in = from ? a.max_exp_avg_sq_in : a.max_exp_avg_sq;
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
   for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
-    float p = a.param[i], m = a.exp_avg[i], v = a.exp_avg_sq[i];
-    float mx = kAmsgrad ? a.max_exp_avg_sq[i] : 0.0f;
+    float p = param_in[i], m = m_in[i], v = v_in[i];
+    float mx = kAmsgrad ? max_in[i] : 0.0f;
     optim::adamw_update<kAmsgrad>(p, to_f32<Grad>(grad[i]), m, v, mx, s);
     a.param[i] = p;
     a.exp_avg[i] = m;

@@ -7,6 +7,7 @@
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstring>
 #include <optional>
@@ -36,10 +37,37 @@ void check_state(const Tensor& t, const char* name, const Tensor& param, bool fl
                  " has dtype ", dtype_name(st), "; expected ", float32 ? "float32" : "float32, float16 or bfloat16");
 }
 
-// Undefined tensors stand for None.
+bool overlap(const Tensor& a, const Tensor& b) {
+  const char* pa = static_cast<const char*>(a.const_data_ptr());
+  const char* pb = static_cast<const char*>(b.const_data_ptr());
+  return pa < pb + nbytes_of(b) && pb < pa + nbytes_of(a);
+}
+
+// The inputs of an out-of-place step (AdamWArrays' *_in): given together, like the state, and
+// apart from every array the step writes.
+void check_inputs(const std::array<const Tensor*, 4>& in, const std::array<const Tensor*, 5>& written,
+                  const Tensor& param, bool amsgrad) {
+  static constexpr const char* kNames[] = {"param_in", "exp_avg_in", "exp_avg_sq_in", "max_exp_avg_sq_in"};
+  for (int i = 0; i < 4; ++i) {
+    const bool wanted = i < 3 || amsgrad;
+    HF_CHECK_VALUE(in[i]->defined() == wanted, "hipferry._adamw_step_: ", kNames[i],
+                   wanted ? " is missing: param_in, exp_avg_in and exp_avg_sq_in (and max_exp_avg_sq_in with "
+                            "amsgrad) come together"
+                          : " is given without amsgrad");
+    if (!wanted) continue;
+    check_state(*in[i], kNames[i], param, true);
+    for (const Tensor* w : written) {
+      HF_CHECK_VALUE(!w->defined() || !overlap(*in[i], *w), "hipferry._adamw_step_: ", kNames[i],
+                     " overlaps an array the step writes; expected separate memory");
+    }
+  }
+}
+
+// Undefined tensors stand for None; param_in undefined: in place.
 void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg, const Tensor& exp_avg_sq,
                 const Tensor& max_exp_avg_sq, const Tensor& param_out, std::int64_t step, double lr, double beta1,
-                double beta2, double eps, double weight_decay, bool amsgrad, bool maximize) {
+                double beta2, double eps, double weight_decay, bool amsgrad, bool maximize, const Tensor& param_in,
+                const Tensor& exp_avg_in, const Tensor& exp_avg_sq_in, const Tensor& max_exp_avg_sq_in) {
   HF_CHECK_VALUE(step >= 1, "hipferry._adamw_step_: step must be >= 1, got ", step);
   HF_CHECK_VALUE(param.is_cpu() || param.is_cuda(), "hipferry._adamw_step_: param is on ",
                  device_name(param.device()), "; expected the CPU or a GPU");
@@ -52,6 +80,12 @@ void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg, 
   HF_CHECK_VALUE(!amsgrad || has_max, "hipferry._adamw_step_: amsgrad=True needs max_exp_avg_sq");
   if (amsgrad) check_state(max_exp_avg_sq, "max_exp_avg_sq", param, true);
   if (has_out) check_state(param_out, "param_out", param, false);
+  const bool from = param_in.defined() || exp_avg_in.defined() || exp_avg_sq_in.defined() ||
+                    max_exp_avg_sq_in.defined();
+  if (from) {
+    check_inputs({&param_in, &exp_avg_in, &exp_avg_sq_in, &max_exp_avg_sq_in},
+                 {&param, &exp_avg, &exp_avg_sq, &max_exp_avg_sq, &param_out}, param, amsgrad);
+  }
 
   const optim::AdamWHyper h{.lr = lr, .beta1 = beta1, .beta2 = beta2, .eps = eps, .weight_decay = weight_decay,
                            .amsgrad = amsgrad, .maximize = maximize};
@@ -66,6 +100,12 @@ void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg, 
   if (has_out) {
     a.param_out = param_out.mutable_data_ptr();
     a.out_type = element_type_of(param_out);
+  }
+  if (from) {
+    a.param_in = param_in.const_data_ptr<float>();
+    a.exp_avg_in = exp_avg_in.const_data_ptr<float>();
+    a.exp_avg_sq_in = exp_avg_sq_in.const_data_ptr<float>();
+    a.max_exp_avg_sq_in = amsgrad ? max_exp_avg_sq_in.const_data_ptr<float>() : nullptr;
   }
   const std::int64_t n = param.numel();
   if (param.is_cpu()) {
@@ -119,7 +159,8 @@ void bind_adamw(py::module_& m) {
   m.def("_adamw_step_",
         [](py::object param, py::object grad, py::object exp_avg, py::object exp_avg_sq, py::object max_exp_avg_sq,
            py::object param_out, std::int64_t step, double lr, double beta1, double beta2, double eps,
-           double weight_decay, bool amsgrad, bool maximize) {
+           double weight_decay, bool amsgrad, bool maximize, py::object param_in, py::object exp_avg_in,
+           py::object exp_avg_sq_in, py::object max_exp_avg_sq_in) {
           translate_errors([&] {
             // Converted with the GIL; the tensors die after it is taken back (declared before no_gil).
             const Tensor p = tensor_from_python(param, "hipferry._adamw_step_: param");
@@ -128,14 +169,23 @@ void bind_adamw(py::module_& m) {
             const Tensor m2 = tensor_from_python(exp_avg_sq, "hipferry._adamw_step_: exp_avg_sq");
             const Tensor mx = tensor_from_python(max_exp_avg_sq, "hipferry._adamw_step_: max_exp_avg_sq", true);
             const Tensor out = tensor_from_python(param_out, "hipferry._adamw_step_: param_out", true);
+            const Tensor p_in = tensor_from_python(param_in, "hipferry._adamw_step_: param_in", true);
+            const Tensor m1_in = tensor_from_python(exp_avg_in, "hipferry._adamw_step_: exp_avg_in", true);
+            const Tensor m2_in = tensor_from_python(exp_avg_sq_in, "hipferry._adamw_step_: exp_avg_sq_in", true);
+            const Tensor mx_in =
+                tensor_from_python(max_exp_avg_sq_in, "hipferry._adamw_step_: max_exp_avg_sq_in", true);
             py::gil_scoped_release no_gil;
-            adamw_step(p, g, m1, m2, mx, out, step, lr, beta1, beta2, eps, weight_decay, amsgrad, maximize);
+            adamw_step(p, g, m1, m2, mx, out, step, lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, p_in,
+                       m1_in, m2_in, mx_in);
           });
         },
         py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
         py::arg("max_exp_avg_sq"), py::arg("param_out"), py::arg("step"), py::arg("lr"), py::arg("beta1"),
         py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("amsgrad"), py::arg("maximize"),
-        "One fused AdamW step over one parameter's state, in place (issue 5 groundwork).");
+        py::arg("param_in") = py::none(), py::arg("exp_avg_in") = py::none(), py::arg("exp_avg_sq_in") = py::none(),
+        py::arg("max_exp_avg_sq_in") = py::none(),
+        "One fused AdamW step over one parameter's state: in place, or reading param_in and the *_in "
+        "state and writing param and the state (the speculative step of overlap='backward').");
 }
 
 }  // namespace hipferry

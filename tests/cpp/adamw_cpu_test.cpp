@@ -254,5 +254,42 @@ TEST(AdamWCpu, AmsgradKeepsTheRunningMaximumAndNaNPropagates) {
   EXPECT_TRUE(std::isnan(s.p[3]));
 }
 
+// Out of place (the speculative step): reading the *_in arrays and writing the others gives the
+// in-place step's bits, on every build this CPU runs, and leaves the inputs as they were.
+TEST(AdamWCpu, OutOfPlaceGivesTheInPlaceBitsAndLeavesItsInputs) {
+  constexpr std::size_t n = 517;
+  for (bool amsgrad : {false, true}) {
+    for (cpu::Isa isa : {cpu::Isa::kBaseline, cpu::best_isa()}) {
+      AdamWHyper h;
+      h.amsgrad = amsgrad;
+      State in_place(n, 9), source(n, 9), dest(n, 1);
+      for (int t = 1; t <= 2; ++t) {  // step 2: nonzero moments to read
+        adamw_cpu_isa(isa, in_place.arrays(), adamw_scalars(h, t), 0, n);
+      }
+      adamw_cpu_isa(isa, source.arrays(), adamw_scalars(h, 1), 0, n);
+      const State before = source;
+      std::vector<std::uint16_t> out(n, 0), out_ref(n, 0);
+      AdamWArrays a = dest.arrays();
+      a.grad = source.g.data();  // (step 2's gradient: the same as step 1's here)
+      a.param_in = source.p.data();
+      a.exp_avg_in = source.m.data();
+      a.exp_avg_sq_in = source.v.data();
+      a.max_exp_avg_sq_in = source.vmax.data();
+      a.param_out = out.data();
+      a.out_type = ElementType::kBFloat16;
+      adamw_cpu_isa(isa, a, adamw_scalars(h, 2), 0, n);
+      EXPECT_EQ(dest.p, in_place.p) << "amsgrad " << amsgrad;
+      EXPECT_EQ(dest.m, in_place.m);
+      EXPECT_EQ(dest.v, in_place.v);
+      if (amsgrad) EXPECT_EQ(dest.vmax, in_place.vmax);
+      for (std::size_t i = 0; i < n; ++i) ASSERT_EQ(out[i], f32_to_bf16_rne(in_place.p[i])) << i;
+      EXPECT_EQ(source.p, before.p);
+      EXPECT_EQ(source.m, before.m);
+      EXPECT_EQ(source.v, before.v);
+      EXPECT_EQ(source.vmax, before.vmax);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace hipferry::optim

@@ -104,5 +104,55 @@ TEST(AdamWKernelGpu, BitIdenticalToTheCpuLoop) {
   }
 }
 
+// Out of place (AdamWArrays' *_in, the speculative step): the kernel reads one set of arrays and
+// writes another, with the CPU loop's in-place bits, and leaves what it read as it was.
+TEST(AdamWKernelGpu, OutOfPlaceBitIdenticalToTheCpuLoopInPlace) {
+  if (rt::device_count() == 0) GTEST_SKIP() << "no GPU device";
+  rt::set_device(0);
+  constexpr std::size_t n = 50021;
+  HostState cpu(n), source(n);
+  for (int t = 1; t <= 2; ++t) {  // the CPU runs steps 1 and 2 in place, the source step 1
+    optim::adamw_cpu(cpu.arrays(cpu.p.data(), cpu.g.data(), cpu.m.data(), cpu.v.data(), cpu.vmax.data(),
+                                cpu.out.data()), scalars(t), 0, n);
+  }
+  optim::adamw_cpu(source.arrays(source.p.data(), source.g.data(), source.m.data(), source.v.data(),
+                                 source.vmax.data(), source.out.data()), scalars(1), 0, n);
+  std::vector<float*> host;  // in: p m v vmax, then out: p m v vmax (mapped pinned)
+  for (int i = 0; i < 8; ++i) {
+    host.push_back(static_cast<float*>(rt::host_alloc(n * 4, rt::kHostPortable | rt::kHostMapped)));
+  }
+  auto* g = static_cast<std::uint16_t*>(rt::host_alloc(n * 2, rt::kHostPortable | rt::kHostMapped));
+  auto* out = static_cast<std::uint16_t*>(rt::host_alloc(n * 2, rt::kHostPortable | rt::kHostMapped));
+  const std::vector<float>* in[] = {&source.p, &source.m, &source.v, &source.vmax};
+  for (int i = 0; i < 4; ++i) std::copy(in[i]->begin(), in[i]->end(), host[i]);
+  std::copy(source.g.begin(), source.g.end(), g);
+  auto dev = [](void* ptr) { return static_cast<float*>(rt::host_device_pointer(ptr)); };
+  optim::AdamWArrays a;
+  a.param_in = dev(host[0]);
+  a.exp_avg_in = dev(host[1]);
+  a.exp_avg_sq_in = dev(host[2]);
+  a.max_exp_avg_sq_in = dev(host[3]);
+  a.param = dev(host[4]);
+  a.exp_avg = dev(host[5]);
+  a.exp_avg_sq = dev(host[6]);
+  a.max_exp_avg_sq = dev(host[7]);
+  a.grad = rt::host_device_pointer(g);
+  a.grad_type = ElementType::kBFloat16;
+  a.param_out = rt::host_device_pointer(out);
+  a.out_type = ElementType::kBFloat16;
+  rt::Stream stream(0);
+  gpu::launch_adamw(a, scalars(2), n, stream.handle(), 0);
+  stream.synchronize();
+  const std::vector<float>* want[] = {&cpu.p, &cpu.m, &cpu.v, &cpu.vmax};
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(std::vector<float>(host[4 + i], host[4 + i] + n), *want[i]) << "written array " << i;
+    EXPECT_EQ(std::vector<float>(host[i], host[i] + n), *in[i]) << "read array " << i;
+  }
+  EXPECT_EQ(std::vector<std::uint16_t>(out, out + n), cpu.out);
+  for (float* ptr : host) rt::host_free(ptr);
+  rt::host_free(g);
+  rt::host_free(out);
+}
+
 }  // namespace
 }  // namespace hipferry

@@ -89,6 +89,11 @@ def test_bad_input_is_rejected_and_nothing_changes():
         (dict(exp_avg=torch.zeros(8, dtype=torch.float64)), "exp_avg has dtype"),
         (dict(amsgrad=True), "amsgrad=True needs max_exp_avg_sq"),
         (dict(param=torch.ones(4, 4).t()), "param must be a contiguous dense tensor"),
+        (dict(param_in=torch.ones(8)), "exp_avg_in is missing"),
+        (dict(param_in=torch.ones(8), exp_avg_in=torch.zeros(8), exp_avg_sq_in=torch.zeros(8),
+              max_exp_avg_sq_in=torch.zeros(8)), "max_exp_avg_sq_in is given without amsgrad"),
+        (dict(param_in=p, exp_avg_in=torch.zeros(8), exp_avg_sq_in=torch.zeros(8)),
+         "param_in overlaps an array the step writes"),
     ]
     for change, message in cases:
         args = dict(param=p, grad=g, exp_avg=m, exp_avg_sq=v, max_exp_avg_sq=None, param_out=None, step=1,
@@ -97,6 +102,26 @@ def test_bad_input_is_rejected_and_nothing_changes():
         with pytest.raises(ValueError, match=message):
             _C._adamw_step_(**args)
     assert torch.equal(p, torch.ones(8)) and torch.equal(m, torch.zeros(8)) and torch.equal(v, torch.zeros(8))
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_out_of_place_step_gives_the_in_place_bits_and_leaves_its_inputs(amsgrad):
+    """param_in and the *_in state (the speculative step of overlap="backward")."""
+    torch.manual_seed(0)
+    n = 1000
+    p, g = torch.randn(n), torch.randn(n)
+    state = [torch.rand(n) * 1e-2 for _ in range(3)]  # m, v, max_v
+    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, amsgrad=amsgrad, maximize=False)
+    inputs = [p.clone()] + [t.clone() for t in state]
+    mine = [p.clone()] + [t.clone() for t in state]
+    _C._adamw_step_(mine[0], g, mine[1], mine[2], mine[3] if amsgrad else None, None, 3, **hyper)
+    outs = [torch.full((n,), float("nan")) for _ in range(4)]
+    _C._adamw_step_(outs[0], g, outs[1], outs[2], outs[3] if amsgrad else None, None, 3, **hyper,
+                    param_in=inputs[0], exp_avg_in=inputs[1], exp_avg_sq_in=inputs[2],
+                    max_exp_avg_sq_in=inputs[3] if amsgrad else None)
+    for k in range(4 if amsgrad else 3):
+        assert torch.equal(outs[k], mine[k]), k
+    assert torch.equal(inputs[0], p) and all(torch.equal(a, b) for a, b in zip(inputs[1:], state))
 
 
 _TRAJECTORY = """

@@ -43,10 +43,10 @@ def assert_same(a_model, a_opt, b_model, b_opt):
 
 
 def train(overlap, dtype, *, clip=True, micro=1, use_accumulating=True, inject_inf_at=None, scaler=False,
-          remote=False):
+          remote=False, amsgrad=False):
     model = make_model(dtype)
     cls = CpuRemoteOffloadAdamW if remote else OffloadAdamW
-    opt = cls(model.parameters(), lr=1e-2, weight_decay=0.1, overlap=overlap, step_on="cpu")
+    opt = cls(model.parameters(), lr=1e-2, weight_decay=0.1, overlap=overlap, step_on="cpu", amsgrad=amsgrad)
     grad_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if scaler else None
     data = batches(dtype, STEPS * micro)
     for step in range(STEPS):
@@ -89,6 +89,16 @@ def test_steps_with_clipping_that_fires_sometimes_are_bit_identical(dtype, remot
     assert s["started"] == (STEPS - first) * n
     assert s["committed"] == (STEPS - len(FIRES)) * n, s        # clipping with factor 1 leaves the bits: kept
     assert s["redone"] == (len(FIRES) - first) * n, s            # clipping that fired: redone from the state
+
+
+@pytest.mark.parametrize("remote", [False, True], ids=["cpu", "cpu-remote"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_amsgrad_steps_are_bit_identical(dtype, remote):
+    """The speculative step reads m, v and max_v from the state and writes them to scratch."""
+    ref_model, ref_opt = train(None, dtype, remote=remote, amsgrad=True)
+    model, opt = train("backward", dtype, remote=remote, amsgrad=True)
+    assert_same(ref_model, ref_opt, model, opt)
+    assert opt.overlap_stats()["committed"] > 0
 
 
 @pytest.mark.parametrize("remote", [False, True], ids=["cpu", "cpu-remote"])

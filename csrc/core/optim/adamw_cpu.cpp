@@ -12,7 +12,9 @@
 namespace hipferry::optim {
 namespace {
 
-template <class Grad, class Out, bool kAmsgrad, bool kWriteOut>
+// kFrom: out of place (AdamWArrays' *_in arrays are read; distinct from the written ones, so
+// every pointer may be __restrict). In place, the *_in pointers are never touched.
+template <class Grad, class Out, bool kAmsgrad, bool kWriteOut, bool kFrom>
 [[gnu::always_inline]] inline void adamw_body(const AdamWArrays& a, const AdamWScalars& s, std::int64_t begin,
                                               std::int64_t end) {
   float* __restrict param = a.param;
@@ -21,13 +23,19 @@ template <class Grad, class Out, bool kAmsgrad, bool kWriteOut>
   float* __restrict v = a.exp_avg_sq;
   float* __restrict max_v = a.max_exp_avg_sq;
   auto* __restrict out = static_cast<typename Out::storage*>(a.param_out);
+  const float* __restrict param_in = a.param_in;
+  const float* __restrict m_in = a.exp_avg_in;
+  const float* __restrict v_in = a.exp_avg_sq_in;
+  const float* __restrict max_v_in = a.max_exp_avg_sq_in;
   // A local copy: reads of `s` through the reference could alias the stores
   // below, and GCC then keeps them in the loop and does not vectorize it.
   const AdamWScalars sc = s;
 #pragma omp simd
   for (std::int64_t i = begin; i < end; ++i) {
-    float p = param[i], mi = m[i], vi = v[i];
-    float mx = kAmsgrad ? max_v[i] : 0.0f;
+    float p = kFrom ? param_in[i] : param[i];
+    float mi = kFrom ? m_in[i] : m[i];
+    float vi = kFrom ? v_in[i] : v[i];
+    float mx = kAmsgrad ? (kFrom ? max_v_in[i] : max_v[i]) : 0.0f;
     adamw_update<kAmsgrad>(p, to_f32<Grad>(grad[i]), mi, vi, mx, sc);
     param[i] = p;
     m[i] = mi;
@@ -38,32 +46,39 @@ template <class Grad, class Out, bool kAmsgrad, bool kWriteOut>
 }
 
 #ifdef HIPFERRY_HAVE_AVX2_BUILD
-template <class Grad, class Out, bool kAmsgrad, bool kWriteOut>
+template <class Grad, class Out, bool kAmsgrad, bool kWriteOut, bool kFrom>
 HIPFERRY_AVX2_TARGET void adamw_loop_avx2(const AdamWArrays& a, const AdamWScalars& s,
                                                           std::int64_t begin, std::int64_t end) {
-  adamw_body<Grad, Out, kAmsgrad, kWriteOut>(a, s, begin, end);
+  adamw_body<Grad, Out, kAmsgrad, kWriteOut, kFrom>(a, s, begin, end);
 }
 #endif
 
-template <class Grad, class Out, bool kAmsgrad, bool kWriteOut>
+template <class Grad, class Out, bool kAmsgrad, bool kWriteOut, bool kFrom>
 void adamw_loop(cpu::Isa isa, const AdamWArrays& a, const AdamWScalars& s, std::int64_t begin, std::int64_t end) {
 #ifdef HIPFERRY_HAVE_AVX2_BUILD
-  if (isa == cpu::Isa::kAvx2) return adamw_loop_avx2<Grad, Out, kAmsgrad, kWriteOut>(a, s, begin, end);
+  if (isa == cpu::Isa::kAvx2) return adamw_loop_avx2<Grad, Out, kAmsgrad, kWriteOut, kFrom>(a, s, begin, end);
 #endif
   (void)isa;
-  adamw_body<Grad, Out, kAmsgrad, kWriteOut>(a, s, begin, end);
+  adamw_body<Grad, Out, kAmsgrad, kWriteOut, kFrom>(a, s, begin, end);
+}
+
+template <class Grad, class Out, bool kFrom>
+void adamw_pick_from(cpu::Isa isa, const AdamWArrays& a, const AdamWScalars& s, std::int64_t begin,
+                     std::int64_t end) {
+  const bool out = a.param_out != nullptr;
+  if (s.amsgrad) {
+    out ? adamw_loop<Grad, Out, true, true, kFrom>(isa, a, s, begin, end)
+        : adamw_loop<Grad, Out, true, false, kFrom>(isa, a, s, begin, end);
+  } else {
+    out ? adamw_loop<Grad, Out, false, true, kFrom>(isa, a, s, begin, end)
+        : adamw_loop<Grad, Out, false, false, kFrom>(isa, a, s, begin, end);
+  }
 }
 
 template <class Grad, class Out>
 void adamw_pick(cpu::Isa isa, const AdamWArrays& a, const AdamWScalars& s, std::int64_t begin, std::int64_t end) {
-  const bool out = a.param_out != nullptr;
-  if (s.amsgrad) {
-    out ? adamw_loop<Grad, Out, true, true>(isa, a, s, begin, end)
-        : adamw_loop<Grad, Out, true, false>(isa, a, s, begin, end);
-  } else {
-    out ? adamw_loop<Grad, Out, false, true>(isa, a, s, begin, end)
-        : adamw_loop<Grad, Out, false, false>(isa, a, s, begin, end);
-  }
+  a.param_in != nullptr ? adamw_pick_from<Grad, Out, true>(isa, a, s, begin, end)
+                        : adamw_pick_from<Grad, Out, false>(isa, a, s, begin, end);
 }
 
 }  // namespace

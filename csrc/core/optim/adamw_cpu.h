@@ -20,6 +20,14 @@ struct AdamWArrays {
   float* max_exp_avg_sq = nullptr;  // amsgrad only (else unused, may be nullptr)
   void* param_out = nullptr;        // also write the updated value here in out_type (nullptr: don't)
   ElementType out_type = ElementType::kBFloat16;
+  // Out of place (the speculative step of OffloadAdamW(overlap="backward")): read the parameter
+  // and the state from these and write the arrays above, leaving these untouched. All null: in
+  // place. Set: all of param_in, exp_avg_in, exp_avg_sq_in (and max_exp_avg_sq_in with amsgrad),
+  // none overlapping an array written.
+  const float* param_in = nullptr;
+  const float* exp_avg_in = nullptr;
+  const float* exp_avg_sq_in = nullptr;
+  const float* max_exp_avg_sq_in = nullptr;
 };
 
 // Updates elements [begin, end). Vectorized; the AVX2 build runs where the

@@ -587,15 +587,23 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     @staticmethod
     def _fused_step(group_hyper: dict, target: torch.Tensor, grad: torch.Tensor, st: dict, amsgrad: bool,
-                    out: Optional[torch.Tensor], step: int) -> None:
+                    out: Optional[torch.Tensor], step: int, source: Optional[dict] = None) -> None:
         """One _C._adamw_step_ over the flat memory-order views of a float32
         `target` (parameter, master or host copy), its gradient (aligned to the
-        state's strides here) and its state; `out` gets the rounded values."""
+        state's strides here) and its state; `out` gets the rounded values.
+        `source` (keys "param" and st's): read from those, write `target` and
+        `st` (out of place: the speculative step)."""
         m, v = real(st["exp_avg"]), real(st["exp_avg_sq"])
         mx = real(st.get("max_exp_avg_sq")) if amsgrad else None
         flat = memory_flat
+        ins = {}
+        if source is not None:
+            ins = dict(param_in=flat(real(source["param"])), exp_avg_in=flat(real(source["exp_avg"])),
+                       exp_avg_sq_in=flat(real(source["exp_avg_sq"])))
+            if amsgrad:
+                ins["max_exp_avg_sq_in"] = flat(real(source["max_exp_avg_sq"]))
         _C._adamw_step_(flat(target), flat(aligned(grad, m)), flat(m), flat(v), flat(mx) if mx is not None else None,
-                        flat(out) if out is not None else None, step, **group_hyper)
+                        flat(out) if out is not None else None, step, **group_hyper, **ins)
 
     def _step_in_place(self, group: dict, hyper: dict, p: torch.Tensor, st: dict, step: int) -> None:
         """State and gradient on the parameter's own device."""

@@ -167,14 +167,15 @@ class BackwardSpeculation:
         s = spec.scratch
         if before_write is not None:
             before_write()
-        for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param"):
-            if k in st and k in s:
-                s[k].copy_(st[k])
-        stepped = s.get("master_param") if "master_param" in st else s["target"]
-        if "master_param" not in st:
-            stepped.copy_(target())
+        # Out of place: reads the state and the parameter (or its master), writes the scratch.
+        master = "master_param" in st
+        stepped = s["master_param"] if master else s["target"]
+        source = {k: st[k] for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if k in st}
+        source["param"] = st["master_param"] if master else target()
         state = {k: s[k] for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if k in st}
-        self._fused_step(spec.hyper, stepped, s["grad"], state, amsgrad, s.get("out"), spec.step)
+        if "max_exp_avg_sq" in st and not amsgrad:  # (kept from an amsgrad group; the step leaves it)
+            s["max_exp_avg_sq"].copy_(st["max_exp_avg_sq"])
+        self._fused_step(spec.hyper, stepped, s["grad"], state, amsgrad, s.get("out"), spec.step, source)
 
     def _wait_for_snapshots(self) -> None:
         self._waiting_task = None
