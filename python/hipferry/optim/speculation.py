@@ -1,5 +1,6 @@
-"""OffloadAdamW's step during backward, `overlap="backward"` (issue 26, first
-slice: parameters the CPU steps in place; docs/offload-adamw-overlap-plan.md).
+"""OffloadAdamW's step during backward, `overlap="backward"` (issue 26;
+docs/offload-adamw-overlap-plan.md): CPU parameters, and GPU parameters the
+CPU engine steps from host copies.
 
 Note [speculative step]
 ~~~~~~~~~~~~~~~~~~~~~~~
@@ -113,7 +114,7 @@ class BackwardSpeculation:
         (or DDP's comm hook, with the reduced `grad`). For a parameter that lives
         elsewhere than its state (a GPU parameter): `fetch_grad` returns the host
         copy of its gradient (on the worker: it may wait for the copy), `target`
-        the float32 host working copy to step (without a master), and
+        the float32 host working copy the step starts from (without a master), and
         `before_write` waits until nothing reads the scratch any more (copies
         back of the last step)."""
         lp = local(p)
