@@ -37,12 +37,6 @@ void check_state(const Tensor& t, const char* name, const Tensor& param, bool fl
                  " has dtype ", dtype_name(st), "; expected ", float32 ? "float32" : "float32, float16 or bfloat16");
 }
 
-bool overlap(const Tensor& a, const Tensor& b) {
-  const char* pa = static_cast<const char*>(a.const_data_ptr());
-  const char* pb = static_cast<const char*>(b.const_data_ptr());
-  return pa < pb + nbytes_of(b) && pb < pa + nbytes_of(a);
-}
-
 // The inputs of an out-of-place step (AdamWArrays' *_in): given together, like the state, and
 // apart from every array the step writes.
 void check_inputs(const std::array<const Tensor*, 4>& in, const std::array<const Tensor*, 5>& written,
@@ -57,7 +51,7 @@ void check_inputs(const std::array<const Tensor*, 4>& in, const std::array<const
     if (!wanted) continue;
     check_state(*in[i], kNames[i], param, true);
     for (const Tensor* w : written) {
-      HF_CHECK_VALUE(!w->defined() || !overlap(*in[i], *w), "hipferry._adamw_step_: ", kNames[i],
+      HF_CHECK_VALUE(!w->defined() || !bytes_overlap(*in[i], *w), "hipferry._adamw_step_: ", kNames[i],
                      " overlaps an array the step writes; expected separate memory");
     }
   }

@@ -46,10 +46,7 @@ void check_copy_cast_args(const Tensor& dst, const Tensor& src) {
            shape_str(strides_of(src)), " for shape ", shape_str(ss), "); call src.contiguous() first");
   if (dst.device() == src.device() && dst.numel() > 0 && !copy_cast_is_noop(dst, src)) {
     // Both are contiguous: they share memory exactly when their byte ranges meet.
-    const auto* d = static_cast<const char*>(dst.const_data_ptr());
-    const auto* s = static_cast<const char*>(src.const_data_ptr());
-    const bool overlap = d < s + nbytes_of(src) && s < d + nbytes_of(dst);
-    HF_CHECK(!overlap, "hipferry.copy_cast_: dst and src share memory; expected separate tensors");
+    HF_CHECK(!bytes_overlap(dst, src), "hipferry.copy_cast_: dst and src share memory; expected separate tensors");
   }
 }
 

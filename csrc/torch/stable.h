@@ -70,6 +70,12 @@ std::size_t element_size_of(ScalarType t);
 // Every dtype dtype_name, parse_dtype and element_size_of know (tested against torch.dtype).
 std::vector<ScalarType> known_dtypes();
 inline std::size_t nbytes_of(const Tensor& t) { return static_cast<std::size_t>(t.numel()) * t.element_size(); }
+// Whether the bytes of contiguous `a` and `b` meet (for contiguous tensors: whether they share memory).
+inline bool bytes_overlap(const Tensor& a, const Tensor& b) {
+  const char* pa = static_cast<const char*>(a.const_data_ptr());
+  const char* pb = static_cast<const char*>(b.const_data_ptr());
+  return pa < pb + nbytes_of(b) && pb < pa + nbytes_of(a);
+}
 
 // The core's name for a float dtype (float32, float16, bfloat16); throws otherwise.
 ElementType element_type_of(const Tensor& t);

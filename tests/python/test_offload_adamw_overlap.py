@@ -7,6 +7,8 @@ speculation was used where it could be and redone where it had to be.
 "remote": CPU parameters through the CPU engine's path for GPU parameters
 (the `cpu-remote` seam: gradient copies to the host from the hooks, host
 working copies, copies back), so that path is proven without a GPU."""
+import contextlib
+
 import pytest
 import torch
 
@@ -52,7 +54,7 @@ def train(overlap, dtype, *, clip=True, micro=1, use_accumulating=True, inject_i
     for step in range(STEPS):
         for k in range(micro):
             last = k == micro - 1
-            ctx = opt.accumulating() if use_accumulating and not last else _nothing()
+            ctx = opt.accumulating() if use_accumulating and not last else contextlib.nullcontext()
             with ctx:
                 loss = loss_of(model, data[step * micro + k]) / micro
                 (grad_scaler.scale(loss) if grad_scaler else loss).backward()
@@ -67,14 +69,6 @@ def train(overlap, dtype, *, clip=True, micro=1, use_accumulating=True, inject_i
             opt.step()
         opt.zero_grad()
     return model, opt
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 @pytest.mark.parametrize("remote", [False, True], ids=["cpu", "cpu-remote"])

@@ -12,6 +12,7 @@ same run without overlap and without fakes:
 Two mutations show the checks can fail: a forward that does not wait for the
 copies back reads stale parameters, and a backward that returns before its
 gradient snapshots are taken lets clipping write a gradient mid-copy."""
+import contextlib
 import random
 
 import pytest
@@ -52,7 +53,7 @@ def run(overlap, dtype=torch.float32, *, remote=True, scenario="clipping", polic
     data = batches(dtype, STEPS * micro)
     for step in range(STEPS):
         for k in range(micro):
-            with opt.accumulating() if k < micro - 1 else _nothing():
+            with opt.accumulating() if k < micro - 1 else contextlib.nullcontext():
                 loss = loss_of(model, data[step * micro + k]) / micro
                 (scaler.scale(loss) if scaler else loss).backward()
         if scaler:
@@ -68,14 +69,6 @@ def run(overlap, dtype=torch.float32, *, remote=True, scenario="clipping", polic
     if copies is not None:
         copies.drain()
     return reads, model, opt, copies
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def assert_same_run(reference, candidate):

@@ -24,7 +24,9 @@ CPU (always):
 
 Overlap (optim_overlap.py): OffloadAdamW(overlap="backward") against
 overlap=None on a small transformer's iteration: backward, and backward end to
-step end, with clipping that never fires and clipping that always fires.
+step end, with clipping that never fires and clipping that always fires; on
+the CPU also with a backward that leaves the host idle, in place and through
+the GPU-parameter path.
 
 GPU (when the bench runs with device "cuda"; skipped with a note otherwise):
 - link: pinned host->device, device->host (256 MiB, torch pinned memory, CUDA

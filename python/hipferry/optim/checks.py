@@ -67,7 +67,7 @@ def check_hyper(lr: Any, betas: Any, eps: Any, weight_decay: Any, where: str = "
                          f"torch.optim.AdamW): {name('betas')} is {betas!r}")
 
 
-def one_dim_less(betas: Any) -> Any:
+def squeezed_betas(betas: Any) -> Any:
     """torch.optim.AdamW's defaults hold Tensor betas as 0-dim tensors (its _to_scalar: a
     1-element Tensor of more dimensions is squeezed, a view of the caller's tensor)."""
     return tuple(b.squeeze() if isinstance(b, torch.Tensor) and b.dim() != 0 else b for b in betas)

@@ -28,8 +28,8 @@ from ..torch_private import amp_unscale_, tensor_version
 from ..transfer import Transfer
 from . import calibration
 from .checks import (LOW_PRECISION, TORCH_FLAG_DEFAULTS, check_flag, check_grad, check_group_options,
-                     check_loadable, check_norm_args, check_param, one_dim_less, param_dtype, scalar_value,
-                     split_params, unordered_params_message)
+                     check_loadable, check_norm_args, check_param, param_dtype, scalar_value, split_params,
+                     squeezed_betas, unordered_params_message)
 from .device_copies import DeviceCopies
 from .layout import aligned, memory_flat, real, shaped, state_strides, torch_ops_step
 from .speculation import BackwardSpeculation
@@ -87,7 +87,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                         eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize, foreach=foreach,
                         capturable=capturable, differentiable=differentiable, fused=fused)
         check_group_options(defaults, "the default group")
-        defaults["betas"] = one_dim_less(defaults["betas"])
+        defaults["betas"] = squeezed_betas(defaults["betas"])
         if fused and foreach:
             raise ValueError("OffloadAdamW: fused=True and foreach=True cannot be given together (as in "
                              "torch.optim.AdamW); both are ignored, pass at most one")

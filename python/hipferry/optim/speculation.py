@@ -41,10 +41,9 @@ import torch
 
 from .. import _C
 from ..torch_private import amp_unscale_, current_graph_task_id, queue_end_of_backward, tensor_version
+from .checks import FUSED
 from .layout import aligned, memory_flat, real
 from .state import local
-
-_BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
 
 @dataclass
@@ -102,7 +101,7 @@ class BackwardSpeculation:
     def eligible(lp: torch.Tensor, st: dict) -> bool:
         """Parameters this slice speculates: float32/bf16/fp16, dense, with the state's strides."""
         rp, m = real(lp), st["exp_avg"]
-        return (lp.dtype in _BITS and not lp.is_complex() and memory_flat(rp) is not None
+        return (lp.dtype in FUSED and not lp.is_complex() and memory_flat(rp) is not None
                 and rp.stride() == m.stride())
 
     # ----------------------------------------------------------- backward side
@@ -235,7 +234,7 @@ class BackwardSpeculation:
         now = aligned(real(local(p.grad) if grad is None else grad), m)
         same = (spec.step == step and spec.hyper == hyper and spec.key == self._param_key(lp)
                 and spec.state_key == _state_key(st)
-                and now.dtype == spec.scratch["grad"].dtype and _same_bits(now, spec.scratch["grad"], lp.dtype))
+                and now.dtype == spec.scratch["grad"].dtype and _same_bits(now, spec.scratch["grad"]))
         if not same:
             self.redone += 1
             return None
@@ -258,13 +257,10 @@ def _state_key(st: dict) -> tuple:
     return tuple((k, id(t), tensor_version(t)) for k, t in st.items() if k != "step" and isinstance(t, torch.Tensor))
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether host tensors `a` and `b` (same shape and strides) hold the same bits: one
-    parallel memcmp of their memory (_C._bits_equal), or torch.equal of their bits."""
-    fa, fb = memory_flat(a), memory_flat(b)
-    if fa is not None and fb is not None:
-        return _C._bits_equal(fa, fb)
-    return torch.equal(a.view(_BITS[dtype]), b.view(_BITS[dtype]))
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether host tensors `a` and `b` (dense, same shape and strides: eligible() and
+    aligned() make them so) hold the same bits: one parallel memcmp of their memory."""
+    return _C._bits_equal(memory_flat(a), memory_flat(b))
 
 
 def _swap_storage(a: torch.Tensor, b: torch.Tensor) -> None:
