@@ -66,9 +66,8 @@ def test_build_info_fields():
 def test_optimizer_self_test_catches_a_wrong_step(monkeypatch):
     assert "bit-identical" in doctor.optimizer_self_test("cpu")
     from hipferry.optim import offload_adamw
-    real = offload_adamw.OffloadAdamW._hyper
-    monkeypatch.setattr(offload_adamw.OffloadAdamW, "_hyper",
-                        lambda self, group: dict(real(self, group), eps=1e-5))  # a subtly wrong step
+    real = offload_adamw.group_hyper
+    monkeypatch.setattr(offload_adamw, "group_hyper", lambda group: dict(real(group), eps=1e-5))  # a subtly wrong step
     with pytest.raises(RuntimeError, match="differs from the CPU reference step"):
         doctor.optimizer_self_test("cpu")
 

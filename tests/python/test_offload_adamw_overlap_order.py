@@ -38,9 +38,9 @@ def run(overlap, dtype=torch.float32, *, remote=True, scenario="clipping", polic
     if policy is not None:
         rng = random.Random(seed)
         copies = DeferredCopies(rng if policy == "random" else None)
-        opt._copies = copies
-        if opt._speculation is not None:
-            opt._speculation.scheduler = AdversarialScheduler(policy, rng, between_jobs=copies.land_some)
+        opt._grad_copies.copies = copies
+        if opt._overlap is not None:
+            opt._overlap.speculation.scheduler = AdversarialScheduler(policy, rng, between_jobs=copies.land_some)
     reads = []
 
     def before_forward(module, args):
@@ -101,7 +101,7 @@ def test_adversarial_job_orders_and_late_copies_change_nothing(references, dtype
     assert_same_run(references(dtype, True, scenario), result)
     _, _, opt, copies = result
     stats = opt.overlap_stats()
-    assert opt._speculation.scheduler.ran > 0 and copies.landed > 0
+    assert opt._overlap.speculation.scheduler.ran > 0 and copies.landed > 0
     assert stats["committed"] > 0 and stats["redone"] > 0
 
 

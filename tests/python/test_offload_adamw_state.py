@@ -68,7 +68,9 @@ def test_host_state_is_counted_by_memory_stats_and_lives_in_the_pool(engine):
     opt = offload_adamw(model.parameters(), step_on, pool=pool, amsgrad=True)
     train(model, opt, 2)
     stats = opt.memory_stats()
-    assert set(stats) == {"host_state_bytes", "device_state_bytes", "ring_bytes", "grad_buffer_bytes"}
+    assert set(stats) == {"host_state_bytes", "device_state_bytes", "ring_bytes", "grad_buffer_bytes", "state_format",
+                          "host_bytes_per_param"}
+    assert stats["state_format"] == "float32"
     host = host_state_tensors(opt)
     assert host, "some state is on the host"
     host_bytes = sum(t.numel() * t.element_size() for t in host)

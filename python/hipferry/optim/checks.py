@@ -220,3 +220,45 @@ def check_loadable(opt: Any, state_dict: Any) -> Dict[torch.Tensor, dict]:
                 raise ValueError(f"{name}: the state of parameter {key} has no '{k}'")
         out[p] = st
     return out
+
+
+def group_hyper(group: dict) -> dict:
+    """A group's hyperparameters as the fused step takes them (floats; checked by check_group_options)."""
+    beta1, beta2 = group["betas"]
+    return dict(lr=scalar_value(group["lr"], "lr"), beta1=scalar_value(beta1, "beta1"),
+                beta2=scalar_value(beta2, "beta2"), eps=scalar_value(group["eps"], "eps"),
+                weight_decay=scalar_value(group["weight_decay"], "weight_decay"), amsgrad=group["amsgrad"],
+                maximize=group["maximize"])
+
+
+def validate_step(param_groups: List[dict], slots: Dict[torch.Tensor, Any], state: Dict[torch.Tensor, dict],
+                  store: Any) -> tuple:
+    """step()'s checks: every group's hyperparameters and flags, every parameter
+    and gradient; allocates what a group switched to amsgrad needs and changes
+    nothing. Returns the (group, param) pairs to step and the new
+    max_exp_avg_sq tensors to keep."""
+    work, added = [], []
+    for gi, group in enumerate(param_groups):
+        check_group_options(group, f"param_groups[{gi}]")
+        if not isinstance(group.get("params"), list):
+            raise ValueError(f"OffloadAdamW: param_groups[{gi}]['params'] must be a list, got "
+                             f"{type(group.get('params')).__name__}")
+        for pi, p in enumerate(group["params"]):
+            where = f"params[group {gi}][{pi}]"
+            slot = slots.get(p) if isinstance(p, torch.Tensor) else None
+            if slot is None:
+                raise ValueError(f"OffloadAdamW: {where} was put into param_groups without add_param_group; "
+                                 "add parameters with opt.add_param_group({'params': [...]})")
+            check_param(p, where)
+            lp = local(p)
+            if tuple(lp.shape) != slot.shape or lp.dtype != slot.dtype:
+                raise ValueError(f"OffloadAdamW: {where} is now {lp.dtype} {tuple(lp.shape)}, but its state was "
+                                 f"made for {slot.dtype} {slot.shape}; the state no longer fits (build a new "
+                                 "optimizer, or load a state dict for the new shape)")
+            if p.grad is None:
+                continue
+            check_grad(p, where)
+            work.append((group, p))
+            if group["amsgrad"] and "max_exp_avg_sq" not in state[p]:
+                added.append((p, store.new_state(lp, slot.where, "max_exp_avg_sq")))
+    return work, added

@@ -43,6 +43,7 @@ from .. import _C
 from ..torch_private import amp_unscale_, current_graph_task_id, queue_end_of_backward, tensor_version
 from .checks import FUSED
 from .layout import aligned, memory_flat, real
+from .slots import param_key
 from .state import local
 
 
@@ -80,14 +81,12 @@ class WorkerThread:
 
 
 class BackwardSpeculation:
-    """The speculations of one optimizer (see the Note). `fused_step` is
-    OffloadAdamW._fused_step; `param_key` its write detector; `scratch_like`
-    makes a pool tensor with a state tensor's shape and strides."""
+    """The speculations of one optimizer (see the Note). `store` is its state
+    store: it runs the fused step and makes the scratch tensors (pool tensors
+    with a state tensor's shape and strides)."""
 
-    def __init__(self, fused_step: Callable, param_key: Callable, scratch_like: Callable):
-        self._fused_step = fused_step
-        self._param_key = param_key
-        self._scratch_like = scratch_like
+    def __init__(self, store):
+        self._store = store
         self.scheduler = WorkerThread()  # runs the jobs (a job may wait only for jobs submitted before it)
         self._specs: Dict[torch.Tensor, _Speculation] = {}
         self._waiting_task = None  # the backward whose end waits for its snapshots
@@ -117,7 +116,7 @@ class BackwardSpeculation:
         `before_write` waits until nothing reads the scratch any more (copies
         back of the last step)."""
         lp = local(p)
-        key = self._param_key(lp)
+        key = param_key(lp)
         if grad is None and fetch_grad is None:
             grad = None if p.grad is None else local(p.grad)
         if not self.enabled or key != seen or (fetch_grad is None and (grad is None or grad.is_sparse)):
@@ -148,14 +147,14 @@ class BackwardSpeculation:
         s = spec.scratch
         grad = fetch_grad()
         if "grad" not in s:
-            s["grad"] = self._scratch_like(m, lp.dtype)
+            s["grad"] = self._store.host_tensor_like(m, lp.dtype)
             for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param"):
                 if k in st:
-                    s[k] = self._scratch_like(m, torch.float32)
+                    s[k] = self._store.host_tensor_like(m, torch.float32)
             if "master_param" in st:
-                s["out"] = self._scratch_like(m, lp.dtype)
+                s["out"] = self._store.host_tensor_like(m, lp.dtype)
             else:
-                s["target"] = self._scratch_like(m, torch.float32)
+                s["target"] = self._store.host_tensor_like(m, torch.float32)
         s["grad"].copy_(aligned(real(grad), m))
         if spec.inv_scale is not None:  # the gradient step() will use, if the scale stays (GradScaler's op)
             amp_unscale_([s["grad"]], torch.zeros((), dtype=torch.float32), spec.inv_scale)
@@ -175,7 +174,7 @@ class BackwardSpeculation:
         state = {k: s[k] for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if k in st}
         if "max_exp_avg_sq" in st and not amsgrad:  # (kept from an amsgrad group; the step leaves it)
             s["max_exp_avg_sq"].copy_(st["max_exp_avg_sq"])
-        self._fused_step(spec.hyper, stepped, s["grad"], state, amsgrad, s.get("out"), spec.step, source)
+        self._store.step(spec.hyper, stepped, s["grad"], state, amsgrad, s.get("out"), spec.step, source)
 
     def _wait_for_snapshots(self) -> None:
         self._waiting_task = None
@@ -232,7 +231,7 @@ class BackwardSpeculation:
         lp = local(p)
         m = real(st["exp_avg"])
         now = aligned(real(local(p.grad) if grad is None else grad), m)
-        same = (spec.step == step and spec.hyper == hyper and spec.key == self._param_key(lp)
+        same = (spec.step == step and spec.hyper == hyper and spec.key == param_key(lp)
                 and spec.state_key == _state_key(st)
                 and now.dtype == spec.scratch["grad"].dtype and _same_bits(now, spec.scratch["grad"]))
         if not same:

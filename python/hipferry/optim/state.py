@@ -1,7 +1,7 @@
 """OffloadAdamW's state format: which state keys a parameter has, the
 param-group keys torch.optim.AdamW writes, DTensor (FSDP2) views of the state.
 The checks of its inputs are in checks.py."""
-from typing import Any, Dict, List
+from typing import Any, Dict
 
 import torch
 
@@ -29,11 +29,6 @@ def to_global_state(p: torch.Tensor, st: dict) -> dict:
             out[k] = DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                                         stride=p.stride())
     return out
-
-
-def state_keys(lp: torch.Tensor, amsgrad: bool) -> List[str]:
-    keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
-    return keys + (["master_param"] if lp.dtype in LOW_PRECISION else [])
 
 
 def torch_group_defaults() -> Dict[str, Any]:
