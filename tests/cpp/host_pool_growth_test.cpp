@@ -17,29 +17,15 @@
 
 #include "csrc/core/host_pool/host_pool.h"
 #include "csrc/core/host_pool/size_classes.h"
+#include "tests/cpp/address_only_provider.h"
 
 namespace hipferry::pool {
 namespace {
 
+using testing::AddressOnlyProvider;
+
 constexpr std::size_t KiB = std::size_t{1} << 10;
 constexpr std::size_t MiB = std::size_t{1} << 20;
-
-// Addresses without memory: the pool never touches what it hands out, so
-// gigabytes of workload cost nothing. Each segment starts on its own 1 TiB
-// boundary (blocks of two segments can never look adjacent).
-class AddressOnlyProvider : public HostMemoryProvider {
- public:
-  HostSegment allocate(std::size_t bytes, int) override {
-    if (bytes > (std::size_t{1} << 40)) throw std::runtime_error("AddressOnlyProvider: too large");
-    next_ += std::size_t{1} << 40;
-    return {reinterpret_cast<void*>(next_), nullptr};
-  }
-  void release(const HostSegment&, std::size_t) noexcept override {}
-  std::string describe() const override { return "address-only provider"; }
-
- private:
-  std::uintptr_t next_ = std::uintptr_t{1} << 44;
-};
 
 std::unique_ptr<HostPool> make_pool(PoolOptions o = {}) {
   return std::make_unique<HostPool>(std::make_unique<AddressOnlyProvider>(),

@@ -186,10 +186,22 @@ def test_torch_operations_on_pool_tensors(pool, tmp_path):
     assert torch.equal(torch.from_numpy(a.numpy()), a)
 
 
+# The pool breaks ties between equal free blocks by address (Note [hipferry
+# pinned pool], "address order"), and the addresses the system hands out depend
+# on what ran before: glibc serves 2 MiB from mmap (descending addresses) until
+# some earlier free raised its mmap threshold, then from the heap (ascending).
+# So the second round may need a segment or two more than the first; from then
+# on each round replays the last. Bound and settling checked in every address
+# order by tests/cpp/host_pool_address_order_test.cpp.
+SMALL_SEGMENT = 2 * MiB  # PoolOptions::small_segment_bytes: every request below is small
+MAX_EXTRA_SEGMENTS = 2   # kMaxExtraSegments there
+
+
 def test_no_leak_over_many_iterations(pool):
     g = torch.Generator().manual_seed(0)
     sizes = torch.randint(1, MiB, (400,), generator=g).tolist()
-    for i in range(5):
+    after = []  # (reserved_bytes, system_allocs) after each round
+    for _ in range(5):
         live = []
         for j, n in enumerate(sizes):
             live.append(pool.empty(n, dtype=torch.uint8))
@@ -198,12 +210,10 @@ def test_no_leak_over_many_iterations(pool):
         del live
         s = pool.stats()
         assert s["live_blocks"] == 0 and s["requested_bytes"] == 0
-        if i == 0:
-            reserved_after_first = s["reserved_bytes"]
-            allocs_after_first = s["system_allocs"]
-    s = pool.stats()
-    assert s["reserved_bytes"] == reserved_after_first, "the same workload needs no more memory"
-    assert s["system_allocs"] == allocs_after_first
+        after.append((s["reserved_bytes"], s["system_allocs"]))
+    assert all(a == after[1] for a in after[2:]), f"the same workload needs no more memory after round 2: {after}"
+    assert after[1][0] <= after[0][0] + MAX_EXTRA_SEGMENTS * SMALL_SEGMENT, f"round 2 grew too much: {after}"
+    assert after[1][1] - after[0][1] <= MAX_EXTRA_SEGMENTS
     pool.check_invariants()
 
 
