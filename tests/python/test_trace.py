@@ -15,7 +15,7 @@ from conftest import requires_gpu, requires_test_hooks
 MiB = 2**20
 DEVICES = ["cpu", pytest.param("cuda", marks=requires_gpu)]
 EVENT_KEYS = {"name", "category", "track", "start_ns", "end_ns", "bytes"}
-CATEGORIES = {"copy", "kernel", "pack", "user"}
+CATEGORIES = {"copy", "kernel", "pack", "user", "optim"}
 
 
 def finish(device):
@@ -324,3 +324,28 @@ def test_timeline_command_line_prints_one_line_not_a_traceback(tmp_path):
     r = run_timeline(trace, "--out", tmp_path)
     assert r.returncode == 2
     assert_one_line_error(r, "--out", "is a directory")
+
+
+def test_the_optimizer_steps_and_copies_back_show_on_the_timeline():
+    from offload_adamw_helpers import CpuRemoteOffloadAdamW
+    from hipferry.optim import OffloadAdamW
+    local_model, remote_model = torch.nn.Linear(64, 32), torch.nn.Linear(64, 32)
+    local_opt = OffloadAdamW(local_model.parameters())
+    remote_opt = CpuRemoteOffloadAdamW(remote_model.parameters(), step_on="cpu", min_offload_numel=0)
+    with hipferry.trace() as tr:
+        for model, opt in ((local_model, local_opt), (remote_model, remote_opt)):
+            model(torch.randn(4, 64)).sum().backward()
+            opt.step()
+    optim = [e for e in tr.events if e["category"] == "optim"]
+    tracks = {e["track"] for e in optim}
+    assert {"OffloadAdamW step", "OffloadAdamW copies back"} <= tracks, tracks
+    steps = [e for e in optim if e["track"] == "OffloadAdamW step"]
+    assert len(steps) == 4 and {e["bytes"] for e in steps} == {64 * 32 * 4, 32 * 4}
+    backs = [e for e in optim if e["track"] == "OffloadAdamW copies back"]
+    assert len(backs) == 2 and all(e["end_ns"] >= e["start_ns"] for e in backs)
+    # outside a trace nothing is recorded
+    with hipferry.trace() as empty:
+        pass
+    local_model(torch.randn(4, 64)).sum().backward()
+    local_opt.step()
+    assert [e for e in empty.events if e["category"] == "optim"] == []

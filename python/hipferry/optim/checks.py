@@ -260,5 +260,5 @@ def validate_step(param_groups: List[dict], slots: Dict[torch.Tensor, Any], stat
             check_grad(p, where)
             work.append((group, p))
             if group["amsgrad"] and "max_exp_avg_sq" not in state[p]:
-                added.append((p, store.new_state(lp, slot.where, "max_exp_avg_sq")))
+                added.append((p, store.amsgrad_state(lp, slot.where, state[p])))
     return work, added

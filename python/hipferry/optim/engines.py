@@ -24,6 +24,7 @@ from .grad_copies import GradCopies
 from .layout import aligned, memory_flat, real, torch_ops_step
 from .slots import Slot, param_key
 from .state import local
+from .tracing import TRACK_COPIES_BACK, TRACK_STEP, span
 
 
 @dataclass
@@ -43,7 +44,8 @@ class InPlaceEngine:
 
     def step(self, items: List[StepItem]) -> None:
         for it in items:
-            self._step_one(it)
+            with span(f"step {tuple(it.p.shape)}", TRACK_STEP, it.p.nbytes):
+                self._step_one(it)
 
     def _step_one(self, it: StepItem) -> None:
         lp, st, hyper = local(it.p), it.st, it.hyper
@@ -65,7 +67,7 @@ class InPlaceEngine:
                 out = rp if direct else torch.empty_like(m, dtype=rp.dtype)
                 self.store.step(hyper, master, grad, st, hyper["amsgrad"], out, it.step)
             else:
-                out = rp if direct else torch.empty_like(m).copy_(rp)
+                out = rp if direct else torch.empty_like(m, dtype=torch.float32).copy_(rp)
                 self.store.step(hyper, out, grad, st, hyper["amsgrad"], None, it.step)
             if out is not rp:
                 rp.copy_(out)
@@ -80,7 +82,8 @@ class HostForGpuEngine:
 
     def step(self, items: List[StepItem]) -> None:
         for it in items:
-            self._step_one(it)
+            with span(f"host step {tuple(it.p.shape)}", TRACK_STEP, it.p.nbytes):
+                self._step_one(it)
         self.grad_copies.mark_back([it.p for it in items])
 
     def _step_one(self, it: StepItem) -> None:
@@ -102,7 +105,9 @@ class HostForGpuEngine:
         else:
             self.store.step(it.hyper, master if master is not None else slot.host_param, grad, st,
                             it.hyper["amsgrad"], slot.host_out if master is not None else None, it.step)
-        self.grad_copies.send_back(real(lp), slot.host_out if master is not None else slot.host_param)
+        src = slot.host_out if master is not None else slot.host_param
+        with span(f"copy back {tuple(lp.shape)}", TRACK_COPIES_BACK, src.nbytes):
+            self.grad_copies.send_back(real(lp), src)
         slot.seen = param_key(lp)
 
 
@@ -126,7 +131,8 @@ class StreamedEngine:
         for it in items:
             runs.setdefault((it.p.device.index, it.step, tuple(sorted(it.hyper.items()))), []).append(it)
         for (device, step, _), run in runs.items():
-            self._stream(device, step, run)
+            with span(f"streamed step of {len(run)} parameters", TRACK_STEP, sum(it.p.nbytes for it in run)):
+                self._stream(device, step, run)
         self.synchronize()
 
     def _stream(self, device: int, step: int, items: List[StepItem]) -> None:

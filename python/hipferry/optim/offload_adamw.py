@@ -30,6 +30,7 @@ from .overlap import BackwardOverlap
 from .persistence import StatePersistence
 from .slots import Slot, param_key
 from .state import local, torch_group_defaults
+from .int8_store import Int8Store
 from .state_store import Float32Store
 from .write_tracking import reread_if_written
 
@@ -48,7 +49,8 @@ class OffloadAdamW(StatePersistence, torch.optim.Optimizer):
                  foreach: Optional[bool] = None, capturable: bool = False, differentiable: bool = False,
                  fused: Optional[bool] = None, step_on: str = "auto", pool: Optional[PinnedPool] = None,
                  min_offload_numel: int = 65536, chunk_numel: int = 1 << 21, ring_slots: int = 3,
-                 skip_nonfinite: bool = False, overlap: Optional[str] = None):
+                 skip_nonfinite: bool = False, overlap: Optional[str] = None,
+                 state_dtype: torch.dtype = torch.float32):
         defaults = dict(torch_group_defaults(), lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas,
                         eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize, foreach=foreach,
                         capturable=capturable, differentiable=differentiable, fused=fused)
@@ -62,6 +64,12 @@ class OffloadAdamW(StatePersistence, torch.optim.Optimizer):
             raise ValueError(f"OffloadAdamW: overlap must be None or 'backward', got {overlap!r}")
         if step_on not in ("auto", "cpu", "gpu"):
             raise ValueError(f"OffloadAdamW: step_on must be 'auto', 'cpu' or 'gpu', got {step_on!r}")
+        if state_dtype not in (torch.float32, torch.uint8):
+            raise ValueError("OffloadAdamW: state_dtype must be torch.float32 (exact AdamW) or torch.uint8 (m and v "
+                             f"in 8 bits, blockwise, with a float32 master), got {state_dtype!r}")
+        if state_dtype == torch.uint8 and step_on == "gpu":
+            raise ValueError("OffloadAdamW: state_dtype=torch.uint8 steps on the CPU (the GPU-streamed engine moves "
+                             "float32 state only); use step_on='cpu' or 'auto'")
         if pool is not None and not isinstance(pool, PinnedPool):
             raise TypeError(f"OffloadAdamW: pool must be a hipferry.PinnedPool or None, got {type(pool).__name__}")
         for name, value, low in (("min_offload_numel", min_offload_numel, 0), ("chunk_numel", chunk_numel, 1),
@@ -72,9 +80,10 @@ class OffloadAdamW(StatePersistence, torch.optim.Optimizer):
             raise TypeError(unordered_params_message("params"))
         # Set before super().__init__, which calls add_param_group.
         self._settings = dict(step_on=step_on, min_offload_numel=min_offload_numel, chunk_numel=chunk_numel,
-                              ring_slots=ring_slots, skip_nonfinite=skip_nonfinite, overlap=overlap)
+                              ring_slots=ring_slots, skip_nonfinite=skip_nonfinite, overlap=overlap,
+                              state_dtype=state_dtype)
         self._pool = pool or default_pool()
-        self._store = Float32Store(self._pool)
+        self._store = Int8Store(self._pool) if state_dtype == torch.uint8 else Float32Store(self._pool)
         self._grad_copies = GradCopies(self._pool)
         self._in_place = InPlaceEngine(self._store)
         self._host_for_gpu = HostForGpuEngine(self._store, self._grad_copies)
@@ -133,7 +142,7 @@ class OffloadAdamW(StatePersistence, torch.optim.Optimizer):
             where = "device" if lp.device.type == "cuda" and (lp.numel() < self._settings["min_offload_numel"] or
                                                               param_dtype(lp) == torch.float64 or
                                                               memory_flat(real(lp)) is None) else "host"
-            plan.append((lp, where, self._store.keys(lp, group["amsgrad"])))
+            plan.append((lp, where, self._store.plan_keys(lp, where, group["amsgrad"])))
             wheres.append(where)
         for p, where, st in zip(params, wheres, self._store.allocate(plan)):
             lp = local(p)
@@ -145,8 +154,11 @@ class OffloadAdamW(StatePersistence, torch.optim.Optimizer):
         gpu_params = [local(p) for g in self.param_groups for p in g["params"]
                       if p.device.type == "cuda" and self._slots[p].where == "host"]
         any_gpu = any(p.device.type == "cuda" for g in self.param_groups for p in g["params"])
-        self.step_on, self.step_on_reason = choose_step_on(self._settings["step_on"], gpu_params, any_gpu,
+        requested = "cpu" if self._store.format == "uint8" and gpu_params else self._settings["step_on"]
+        self.step_on, self.step_on_reason = choose_step_on(requested, gpu_params, any_gpu,
                                                            any(g["amsgrad"] for g in self.param_groups))
+        if requested != self._settings["step_on"]:
+            self.step_on_reason = "8-bit state steps on the CPU (the GPU-streamed engine moves float32 state only)"
         log.info("OffloadAdamW: step_on=%s (%s)", self.step_on, self.step_on_reason)
         if before is not None and before != self.step_on:
             # The other engine updates float32 GPU parameters on the device without a
@@ -225,8 +237,8 @@ class OffloadAdamW(StatePersistence, torch.optim.Optimizer):
         spec = self._overlap.speculation if self._overlap is not None else None
         if spec is not None:
             spec.wait()  # the speculative steps read the state: done before anything changes
-        for p, t in added:
-            self.state[p]["max_exp_avg_sq"] = t
+        for p, tensors in added:
+            self.state[p].update(tensors)
         self.last_step_skipped = False
         scaler_driven = hasattr(self, "found_inf")  # torch.amp.GradScaler.step (see _step_supports_amp_scaling)
         if (scaler_driven and float(self.found_inf) > 0) or \

@@ -9,6 +9,7 @@ import torch
 
 from ..pool import PinnedPool
 from .checks import TORCH_FLAG_DEFAULTS, check_loadable
+from .int8_store import check_saved, restore_key
 from .layout import real
 from .slots import param_key
 from .state import local, to_global_state
@@ -43,6 +44,8 @@ class StatePersistence:
                 state_dict = result
         self.synchronize()
         by_param = check_loadable(self, state_dict)  # validates everything first
+        for i, (p, saved) in enumerate(by_param.items()):
+            check_saved(saved, local(p), f"the state of parameter {i}")
         if self._overlap is not None:
             self._overlap.speculation.drop()  # its jobs read the state written below
         groups = []
@@ -51,7 +54,7 @@ class StatePersistence:
             if "param_names" in g and "param_names" not in saved:
                 saved["param_names"] = g["param_names"]
             groups.append(saved)
-        added = {p: self._store.new_state(local(p), self._slots[p].where, "max_exp_avg_sq") for g in groups
+        added = {p: self._store.amsgrad_state(local(p), self._slots[p].where, self.state[p]) for g in groups
                  if g["amsgrad"] for p in g["params"] if "max_exp_avg_sq" not in self.state[p]}
         super().__setstate__({"state": self.state, "param_groups": groups})
         self._fill_group_defaults()
@@ -59,9 +62,10 @@ class StatePersistence:
             for p in group["params"]:
                 st = self.state[p]
                 if p in added:
-                    st["max_exp_avg_sq"] = added[p]
-                elif not group["amsgrad"]:
-                    st.pop("max_exp_avg_sq", None)  # torch's keys exactly; the memory goes back to the pool
+                    st.update(added[p])
+                elif not group["amsgrad"]:  # torch's keys exactly; the memory goes back to the pool
+                    st.pop("max_exp_avg_sq", None)
+                    st.pop("max_exp_avg_sq_absmax", None)
                 self._restore_state(p, st, by_param.get(p))
         self._grad_copies.drop(self._slots.values())
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
@@ -72,6 +76,8 @@ class StatePersistence:
         for k, t in st.items():
             if k == "step":
                 t.fill_(float(saved["step"]) if saved is not None else 0.0)
+            elif k.endswith("_absmax") or restore_key(st, k, saved):
+                pass  # 8-bit state, or a conversion between the formats (int8_store.py)
             elif k == "master_param":
                 t.copy_(_as_local(saved[k]) if saved is not None and k in saved else local(p))
             elif saved is not None and k in saved:

@@ -100,7 +100,7 @@ class BackwardSpeculation:
     def eligible(lp: torch.Tensor, st: dict) -> bool:
         """Parameters this slice speculates: float32/bf16/fp16, dense, with the state's strides."""
         rp, m = real(lp), st["exp_avg"]
-        return (lp.dtype in FUSED and not lp.is_complex() and memory_flat(rp) is not None
+        return ("exp_avg_absmax" not in st and lp.dtype in FUSED and not lp.is_complex() and memory_flat(rp) is not None
                 and rp.stride() == m.stride())
 
     # ----------------------------------------------------------- backward side

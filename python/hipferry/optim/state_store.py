@@ -34,6 +34,14 @@ class Float32Store:
         keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
         return keys + (["master_param"] if lp.dtype in LOW_PRECISION else [])
 
+    def plan_keys(self, lp: torch.Tensor, where: str, amsgrad: bool) -> List[str]:
+        """The state keys `lp` gets here (a store may add keys of its format)."""
+        return self.keys(lp, amsgrad)
+
+    def amsgrad_state(self, lp: torch.Tensor, where: str, st: dict) -> Dict[str, torch.Tensor]:
+        """The zeroed tensors a group switched to amsgrad adds to the state `st` of `lp`."""
+        return {"max_exp_avg_sq": self.new_state(lp, where, "max_exp_avg_sq")}
+
     @staticmethod
     def bytes_needed(lp: torch.Tensor, keys: List[str]) -> int:
         return real(lp).numel() * (8 if param_dtype(lp) == torch.float64 else 4) * len(keys)
