@@ -12,10 +12,16 @@ is larger and runs in bfloat16.
 
     python examples/finetune.py [--steps 40] [--layers 4] [--width 384] [--heads 6] [--seq 128]
                                 [--batch 8] [--device auto|cpu|cuda] [--dtype float32|bfloat16]
-                                [--step-on auto|cpu|gpu] [--json PATH] [--plot PATH]
+                                [--step-on auto|cpu|gpu] [--parity-8bit] [--json PATH] [--plot PATH]
+
+--parity-8bit adds a third run, OffloadAdamW(state_dtype=torch.uint8) (m and v
+in 8 bits, blockwise, about 2 bytes per parameter instead of 8), and reports
+its loss curve against the float32-state run: the largest relative gap over
+all steps must be at most 1%.
 
 Exit code 0 when the loss went down (and, in float32, the two runs' losses
-agree within 1e-3 relative at every step), 1 when a check fails, 2 on a bad argument.
+agree within 1e-3 relative at every step; with --parity-8bit, the 8-bit run
+within 1%), 1 when a check fails, 2 on a bad argument.
 """
 import argparse
 import copy
@@ -69,6 +75,8 @@ def parse_args(argv):
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: float32 on the CPU, bfloat16 on a GPU")
     p.add_argument("--step-on", choices=["auto", "cpu", "gpu"], default="auto", help="OffloadAdamW's engine")
+    p.add_argument("--parity-8bit", action="store_true",
+                   help="also train with 8-bit optimizer state and report the loss gap to float32 state")
     p.add_argument("--log-every", type=int, help="progress line every N steps (default: steps/10)")
     p.add_argument("--json", metavar="PATH", help="write the summary as JSON")
     p.add_argument("--plot", metavar="PATH", help="write both loss curves as a PNG (needs matplotlib)")
@@ -183,7 +191,7 @@ def warm_up(base, batches, a):
         calibrate()  # link bandwidth and CPU AdamW throughput, measured once and cached in ~/.cache/hipferry
 
 
-def train(name, base, batches, a, use_hipferry):
+def train(name, base, batches, a, use_hipferry, state_dtype=torch.float32):
     cuda = a.device == "cuda"
     gc.collect()  # the previous run's model and optimizer are gone ...
     hipferry.default_pool().trim()  # ... and so is the pinned memory the pool cached for it
@@ -196,7 +204,8 @@ def train(name, base, batches, a, use_hipferry):
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},  # matrices and embeddings
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # biases and LayerNorms
     adamw = OffloadAdamW if use_hipferry else torch.optim.AdamW
-    opt = adamw(groups, lr=a.lr, betas=(0.9, 0.95), **({"step_on": a.step_on} if use_hipferry else {}))
+    extra = {"step_on": a.step_on if state_dtype == torch.float32 else "cpu", "state_dtype": state_dtype}
+    opt = adamw(groups, lr=a.lr, betas=(0.9, 0.95), **(extra if use_hipferry else {}))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(a.steps))
     r = {"losses": [], "lrs": [], "step_ms": []}
     for i, (x, y) in enumerate(batches):
@@ -243,9 +252,11 @@ def write_plot(path, runs, title):
         print("matplotlib is not installed: no plot written")
         return
     fig, ax = plt.subplots(figsize=(7, 4))
+    labels = {"hipferry": "hipferry OffloadAdamW", "torch": "torch.optim.AdamW",
+              "hipferry_8bit": "OffloadAdamW, 8-bit state"}
+    styles = {"hipferry": "-", "torch": "--", "hipferry_8bit": ":"}
     for name, r in runs.items():
-        label = "hipferry OffloadAdamW" if name == "hipferry" else "torch.optim.AdamW"
-        ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=label, linestyle="-" if name == "hipferry" else "--")
+        ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=labels[name], linestyle=styles[name])
     ax.set(xlabel="step", ylabel="training loss", title=title)
     ax.legend()
     fig.tight_layout()
@@ -270,7 +281,10 @@ def main(argv=None) -> int:
     warm_up(base, batches, a)
     runs = {"hipferry": train("OffloadAdamW", base, batches, a, use_hipferry=True),
             "torch": train("torch AdamW", base, batches, a, use_hipferry=False)}
-    h, t = runs.values()
+    h, t = runs["hipferry"], runs["torch"]
+    if a.parity_8bit:
+        runs["hipferry_8bit"] = train("OffloadAdamW 8-bit", base, batches, a, use_hipferry=True,
+                                      state_dtype=torch.uint8)
 
     mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
     dev = lambda r: mib(r["device_peak_bytes"]) if r["device_peak_bytes"] is not None else "n/a (CPU)"  # noqa: E731
@@ -291,6 +305,20 @@ def main(argv=None) -> int:
     print(f"final loss difference (hipferry - torch): {final_diff:+.2e}; max relative difference over all steps "
           f"{max(rel):.2e}")
     print(f"OffloadAdamW stepped on: {h['step_on']} ({h['step_on_reason']})")
+    parity = None
+    if a.parity_8bit:
+        q = runs["hipferry_8bit"]
+        gaps = [abs(x - y) / max(abs(y), 1e-12) for x, y in zip(q["losses"], h["losses"])]
+        parity = {"max_rel_loss_gap": max(gaps), "final_loss_8bit": q["losses"][-1],
+                  "final_loss_float32": h["losses"][-1], "host_state_bytes_8bit": q["host_state_bytes"],
+                  "host_state_bytes_float32": h["host_state_bytes"],
+                  "host_bytes_per_param_8bit": q["host_bytes_per_param"],
+                  "median_step_ms_8bit": q["median_step_ms"], "median_step_ms_float32": h["median_step_ms"]}
+        print(f"\n8-bit state parity: largest relative loss gap to float32 state over {len(gaps)} steps "
+              f"{max(gaps):.2e} (final {q['losses'][-1]:.4f} vs {h['losses'][-1]:.4f}); host state "
+              f"{mib(q['host_state_bytes'])} vs {mib(h['host_state_bytes'])} "
+              f"({q['host_bytes_per_param']:.2f} vs {h['host_bytes_per_param']:.2f} bytes/param); "
+              f"median step {q['median_step_ms']:.1f} vs {h['median_step_ms']:.1f} ms")
 
     ok = True
     if a.dtype == "float32":
@@ -302,13 +330,18 @@ def main(argv=None) -> int:
     print(f"loss went down: {h['losses'][0]:.4f} -> {h['losses'][-1]:.4f}" if went_down else
           f"FAILED: the loss did not go down ({h['losses'][0]:.4f} -> {h['losses'][-1]:.4f})")
     ok &= went_down
+    if parity is not None:
+        close = parity["max_rel_loss_gap"] <= 0.01
+        print("8-bit state within 1% of float32 state at every step" if close else
+              "FAILED: the 8-bit state's loss differs from float32 state's by more than 1%")
+        ok &= close
 
     if a.json:
         summary = {"device": a.device, "dtype": a.dtype, "params": n_params, "ok": ok,
                    "config": {k: getattr(a, k) for k in ("layers", "width", "heads", "seq", "batch", "steps",
                                                          "vocab", "lr", "untied_head")},
                    "step_on": h["step_on"], "step_on_reason": h["step_on_reason"],
-                   "final_loss_diff": final_diff, "max_rel_loss_diff": max(rel), "runs": runs}
+                   "final_loss_diff": final_diff, "max_rel_loss_diff": max(rel), "parity_8bit": parity, "runs": runs}
         with open(a.json, "w") as f:
             json.dump(summary, f, indent=1)
         print(f"summary: {a.json}")

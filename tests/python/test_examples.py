@@ -131,6 +131,18 @@ def test_finetune_on_cpu(tmp_path):
         assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_finetune_parity_report_for_8bit_state(tmp_path):
+    """The 8-bit state's loss curve against float32 state's over the whole run (issue 31's parity report)."""
+    out, s = _run_finetune(tmp_path, "--parity-8bit", "--width", "128", "--steps", "6",
+                           "--plot", str(tmp_path / "loss.png"))
+    assert "[OffloadAdamW 8-bit] step    6/6" in out and "8-bit state parity" in out
+    q, h = s["runs"]["hipferry_8bit"], s["runs"]["hipferry"]
+    assert len(q["losses"]) == 6 and q["state_format"] == "uint8" and h["state_format"] == "float32"
+    assert q["losses"][0] == h["losses"][0]
+    assert s["parity_8bit"]["max_rel_loss_gap"] <= 0.01
+    assert q["host_state_bytes"] < h["host_state_bytes"] / 2
+
+
 @requires_gpu
 @pytest.mark.parametrize("step_on", ["cpu", "gpu"])
 def test_finetune_on_gpu(tmp_path, step_on):
