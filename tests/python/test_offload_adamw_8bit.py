@@ -45,14 +45,14 @@ def make(seed=0, dtype=torch.float32):
 
 
 def step_once(model, opt, step):
-    gen = torch.Generator().manual_seed(1000 + step)
+    gen = torch.Generator().manual_seed(1000 + step % 2)  # two fixed batches: a task the model can learn
     x = torch.randn(64, 96, generator=gen).to(next(model.parameters()).dtype)
     y = torch.randn(64, 48, generator=gen)
     opt.zero_grad()
     loss = nn.functional.mse_loss(model(x).float(), y)
     loss.backward()
     opt.step()
-    return float(loss)
+    return float(loss.detach())
 
 
 def run(model, opt, steps=STEPS):
@@ -111,7 +111,7 @@ def test_trajectory_follows_bitsandbytes_adamw8bit():
         pytest.skip(f"bitsandbytes AdamW8bit does not run on this CPU: {e}")
     lo = run(a, ours)
     gap = max(abs(x - y) / abs(y) for x, y in zip(lo, lt))
-    assert gap < 0.02, f"loss gap against bitsandbytes {gap:.4f}"
+    assert gap < 1e-3, f"loss gap against bitsandbytes {gap:.2e}"  # (5.7e-5 seen)
     for p, q in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(p, q, atol=2e-3, rtol=0.05)
 
