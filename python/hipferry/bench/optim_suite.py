@@ -22,6 +22,10 @@ CPU (always):
   two moments in float32): sizes with N * 16 > max_bytes are dropped (if none
   is left, N = max_bytes / 16).
 
+8-bit state (optim_8bit.py): OffloadAdamW(state_dtype=torch.uint8) against
+float32 state and bitsandbytes' AdamW8bit on the same parameters (the first
+two sizes), and the host bytes of state per parameter.
+
 Overlap (optim_overlap.py): OffloadAdamW(overlap="backward") against
 overlap=None on a small transformer's iteration: backward, and backward end to
 step end, with clipping that never fires and clipping that always fires; on
@@ -57,6 +61,7 @@ from typing import Callable, Dict, List
 import torch
 
 from . import Context, SuiteResult, best_of_interleaved, gpu_timer, suite
+from .optim_8bit import eight_bit_rows
 from .optim_overlap import overlap_rows
 
 NAME = "optim"
@@ -263,6 +268,7 @@ def _cpu_part(ctx: Context, rows: List[dict], notes: List[str], plots: List[dict
             rows.append({"measure": measure, "params": n, "contender": name, "seconds": secs,
                          "GBps": BOUND_BYTES * n / secs / 1e9, "bytes_per_param": BOUND_BYTES,
                          "hipferry_speedup": secs / hf if hf else "", "fraction_of_bound": bound / secs})
+    eight_bit_rows(_cpu_sizes(ctx)[:2], repeats, rows, notes, plots, step, OffloadAdamW, flush, best_of_interleaved)
     notes.append(f"cold cache: before every timed CPU run (optimizers and triad) a {flush.nbytes // MiB} MiB buffer "
                  f"(2x the {flush.llc // MiB} MiB last-level cache) is rewritten, so each starts from DRAM")
     del triad, flush
@@ -517,7 +523,7 @@ def optim_suite(ctx: Context) -> SuiteResult:
     OffloadAdamW, missing = _offload_adamw()
     gpu = ctx.device == "cuda" and torch.cuda.is_available()
     overlap_rounds = 4 if ctx.quick else max(5, ctx.repeats) + 1
-    total = 1 + 4 * len(_cpu_sizes(ctx)) + overlap_rounds * (2 if gpu else 1) + \
+    total = 1 + 4 * len(_cpu_sizes(ctx)) + len(_cpu_sizes(ctx)[:2]) + overlap_rounds * (2 if gpu else 1) + \
         ((1 + 4 * len(_gpu_sizes(ctx))) if gpu else 0)
     step = _Progress(ctx, total)
     rows, notes, plots = [], [], []
@@ -543,4 +549,4 @@ def optim_suite(ctx: Context) -> SuiteResult:
                        columns=["measure", "params", "contender", "seconds", "GBps", "hipferry_speedup",
                                 "fraction_of_bound", "device_MiB", "vs_torch_on_device", "fraction_of_link_bound",
                                 "fraction_of_duplex_bound", "backward_s", "iteration_s", "critical_path_vs_plain",
-                                "committed", "redone"])
+                                "committed", "redone", "host_bytes_per_param"])
