@@ -10,7 +10,7 @@ In opt.state the codes keep torch's names (``exp_avg``: uint8, shaped and
 strided like the parameter) and the scales sit beside them
 (``exp_avg_absmax``: float32, one per block). Parameters that 8 bits do not
 pay for or do not fit keep float32 state (Float32Store): fewer than
-MIN_8BIT_NUMEL elements (as bitsandbytes' min_8bit_size), complex or float64
+min_8bit_numel elements (default 4096, as bitsandbytes' min_8bit_size), complex or float64
 parameters, and small GPU parameters whose state stays on the device.
 """
 from typing import Dict, List, Optional
@@ -23,7 +23,7 @@ from .layout import aligned, memory_flat, shaped, state_strides
 from .state_store import Float32Store
 
 BLOCK = 256             # elements per scale (q8::kBlock)
-MIN_8BIT_NUMEL = 4096   # smaller parameters keep float32 state (bitsandbytes' min_8bit_size)
+MIN_8BIT_NUMEL = 4096   # smaller parameters keep float32 state by default (bitsandbytes' min_8bit_size)
 QUANTIZED = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 SIGNED = {"exp_avg": True, "exp_avg_sq": False, "max_exp_avg_sq": False}
 
@@ -40,8 +40,12 @@ def blocks(numel: int) -> int:
 class Int8Store(Float32Store):
     format = "uint8"
 
+    def __init__(self, pool, min_8bit_numel: int = MIN_8BIT_NUMEL):
+        super().__init__(pool)
+        self.min_8bit_numel = min_8bit_numel
+
     def wants_8bit(self, lp: torch.Tensor, where: str) -> bool:
-        return (where == "host" and lp.dtype in FUSED and not lp.is_complex() and lp.numel() >= MIN_8BIT_NUMEL
+        return (where == "host" and lp.dtype in FUSED and not lp.is_complex() and lp.numel() >= self.min_8bit_numel
                 and memory_flat(lp) is not None)
 
     def plan_keys(self, lp: torch.Tensor, where: str, amsgrad: bool) -> List[str]:

@@ -50,7 +50,7 @@ class OffloadAdamW(StatePersistence, torch.optim.Optimizer):
                  fused: Optional[bool] = None, step_on: str = "auto", pool: Optional[PinnedPool] = None,
                  min_offload_numel: int = 65536, chunk_numel: int = 1 << 21, ring_slots: int = 3,
                  skip_nonfinite: bool = False, overlap: Optional[str] = None,
-                 state_dtype: torch.dtype = torch.float32):
+                 state_dtype: torch.dtype = torch.float32, min_8bit_numel: int = 4096):
         defaults = dict(torch_group_defaults(), lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas,
                         eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize, foreach=foreach,
                         capturable=capturable, differentiable=differentiable, fused=fused)
@@ -73,7 +73,7 @@ class OffloadAdamW(StatePersistence, torch.optim.Optimizer):
         if pool is not None and not isinstance(pool, PinnedPool):
             raise TypeError(f"OffloadAdamW: pool must be a hipferry.PinnedPool or None, got {type(pool).__name__}")
         for name, value, low in (("min_offload_numel", min_offload_numel, 0), ("chunk_numel", chunk_numel, 1),
-                                 ("ring_slots", ring_slots, 2)):
+                                 ("ring_slots", ring_slots, 2), ("min_8bit_numel", min_8bit_numel, 0)):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"OffloadAdamW: {name} must be an int >= {low}, got {value!r}")
         if isinstance(params, (set, frozenset)):
@@ -81,9 +81,9 @@ class OffloadAdamW(StatePersistence, torch.optim.Optimizer):
         # Set before super().__init__, which calls add_param_group.
         self._settings = dict(step_on=step_on, min_offload_numel=min_offload_numel, chunk_numel=chunk_numel,
                               ring_slots=ring_slots, skip_nonfinite=skip_nonfinite, overlap=overlap,
-                              state_dtype=state_dtype)
+                              state_dtype=state_dtype, min_8bit_numel=min_8bit_numel)
         self._pool = pool or default_pool()
-        self._store = Int8Store(self._pool) if state_dtype == torch.uint8 else Float32Store(self._pool)
+        self._store = Int8Store(self._pool, min_8bit_numel) if state_dtype == torch.uint8 else Float32Store(self._pool)
         self._grad_copies = GradCopies(self._pool)
         self._in_place = InPlaceEngine(self._store)
         self._host_for_gpu = HostForGpuEngine(self._store, self._grad_copies)
