@@ -99,6 +99,18 @@ def call_optimizer_bindings():
     return True
 
 
+def call_8bit_optimizer_bindings():
+    p, g = torch.ones(300), torch.full((300,), 0.5)
+    codes, absmax = _C._quantize_blockwise_8bit(torch.zeros(300), True)
+    v_codes, v_absmax = _C._quantize_blockwise_8bit(torch.zeros(300), False)
+    _C._adamw8bit_step_(p, g, codes, absmax, v_codes, v_absmax, None, None, None, 1, 0.1, 0.9, 0.999, 1e-8, 0.0,
+                        False, False)
+    assert torch.all(p < 1) and torch.all(absmax > 0)
+    m = _C._dequantize_blockwise_8bit(codes, absmax, True)
+    assert torch.all(m > 0) and _C._dynamic_map_8bit(True)[127] == 0
+    return True
+
+
 def call_scheduling_bindings():
     copier = _C.LayerCopier(-1)
     dst, src = torch.zeros(6), torch.arange(6.0)
@@ -153,6 +165,8 @@ ENTRIES = {
                      "transfer_stats", "transfer_batched_copy"], call_transfer_bindings),
     **dict.fromkeys(["trace_active", "trace_start", "trace_now_ns", "trace_add", "trace_stop"], call_trace_bindings),
     **dict.fromkeys(["_adamw_step_", "AdamWStreamer", "_bits_equal"], call_optimizer_bindings),
+    **dict.fromkeys(["_adamw8bit_step_", "_quantize_blockwise_8bit", "_dequantize_blockwise_8bit",
+                     "_dynamic_map_8bit"], call_8bit_optimizer_bindings),
     **dict.fromkeys(["LayerCopier", "LayerCopyTicket", "InFlightWindow"], call_scheduling_bindings),
     **dict.fromkeys(["build_info", "cpu_isa", "device_count", "numa_nodes", "numa_device_nodes", "device_info",
                      "check_host_memory", "RuntimeLayerError"], call_platform_bindings),
