@@ -30,11 +30,9 @@ import torch
 from hipferry.optim import OffloadAdamW
 from hipferry.optim.int8_store import BLOCK, dequantized
 from hipferry.optim.layout import memory_flat
-from torch_optim_parity_helpers import (CONFIG_DESCS, adamw_input, backward_with, copy_grads, make_reference, slug,
-                                        step_grads, trajectory_params)
+from torch_optim_parity_helpers import CONFIG_DESCS, adamw_input, make_reference, slug, trajectory_grads, trajectory_params
 
 STEPS = 8
-FROZEN = 1
 
 
 def lr_of(kwargs) -> float:
@@ -48,15 +46,7 @@ def run(kwargs, layout):
     ref = make_reference(ref_params, kwargs)
     worst = 0.0
     for i in range(STEPS):
-        opt.zero_grad()
-        ref.zero_grad()
-        for k, (p, r) in enumerate(zip(params, ref_params)):
-            frozen = k == FROZEN and 3 <= i < 5
-            p.requires_grad_(not frozen)
-            r.requires_grad_(not frozen)
-        if i != 2:
-            backward_with(params, step_grads(i, params))
-            copy_grads(params, ref_params)
+        trajectory_grads(i, opt, ref, params, ref_params)
         opt.step()
         ref.step()
         worst = max(worst, compare(opt, params, ref, ref_params, lr_of(kwargs), i + 1, f"after step {i}"))

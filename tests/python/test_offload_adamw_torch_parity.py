@@ -64,7 +64,7 @@ from torch_optim_parity_helpers import (ADAMW_INFO, CONFIG_DESCS, LOW_PRECISION,
                                         assert_within_ulp, backward_with, check_each_config, compare_with_reference,
                                         copy_grads, engine_cases, error_inputs, flat_params, make_offload,
                                         make_reference, public_attrs, reference_group, reference_kwargs, slug,
-                                        step_grads, trajectory_params, without_param_names)
+                                        step_grads, trajectory_grads, trajectory_params, without_param_names)
 
 
 def engine_params(exclude=()):
@@ -99,7 +99,6 @@ VARIANTS = {
     "f32-lrsched": (torch.float32, "plain", True),
 }
 TRAJECTORY_STEPS = 8  # torch's _compare_between runs 7; step 2 has no gradients, param 1 is frozen in steps 3-4
-FROZEN = 1
 
 
 def make_schedulers(opt):
@@ -124,15 +123,7 @@ def run_trajectory(engine, kwargs, dtype, layout="plain", with_sched=False, step
     scheds, ref_scheds = (make_schedulers(opt), make_schedulers(ref)) if with_sched else ([], [])
     before = snapshot(params)
     for i in range(steps):
-        opt.zero_grad()
-        ref.zero_grad()
-        for k, (p, r) in enumerate(zip(params, ref_params)):
-            frozen = k == FROZEN and 3 <= i < 5
-            p.requires_grad_(not frozen)
-            r.requires_grad_(not frozen)
-        if i != 2:  # step 2: no gradients at all, step() is a no-op
-            backward_with(params, step_grads(i, params))
-            copy_grads(params, ref_params)
+        trajectory_grads(i, opt, ref, params, ref_params)
         opt.step()
         ref.step()
         step_schedulers(scheds)

@@ -197,6 +197,24 @@ def step_grads(step, params):
     return out
 
 
+TRAJECTORY_FROZEN = 1  # the parameter frozen in steps 3 and 4 of a trajectory
+
+
+def trajectory_grads(i, opt, ref, params, ref_params):
+    """Step `i` of the trajectories of test_optim's _compare_between: zero_grad on both sides,
+    parameter TRAJECTORY_FROZEN frozen in steps 3-4, no gradients at all in step 2 (step() is a
+    no-op), else the same seeded gradients on both sides."""
+    opt.zero_grad()
+    ref.zero_grad()
+    for k, (p, r) in enumerate(zip(params, ref_params)):
+        frozen = k == TRAJECTORY_FROZEN and 3 <= i < 5
+        p.requires_grad_(not frozen)
+        r.requires_grad_(not frozen)
+    if i != 2:
+        backward_with(params, step_grads(i, params))
+        copy_grads(params, ref_params)
+
+
 def backward_with(params, grads):
     """loss = sum((p * g).sum()): backward gives each parameter (that requires grad) gradient g exactly,
     through autograd (so the post-accumulate-grad hooks of the CPU engine's GPU path fire)."""

@@ -5,7 +5,6 @@ on the same parameters: one step() over N float32 parameters in 4 tensors,
 cold caches, contenders interleaved, best of the rounds kept. Also the host
 bytes of state per parameter (m and v; the float32 master of bf16 params
 comes on top, 4 B)."""
-import time
 from typing import Callable, Dict, List
 
 import torch
@@ -42,7 +41,8 @@ def _contenders(n: int, OffloadAdamW) -> tuple:
 
 
 def eight_bit_rows(sizes: List[int], repeats: int, rows: List[dict], notes: List[str], plots: List[dict], step,
-                   OffloadAdamW, flush, best_of_interleaved) -> None:
+                   OffloadAdamW, cold_timer, best_of_interleaved) -> None:
+    """`cold_timer(fn)`: a timer of one run of fn from cold caches (the suite's)."""
     if OffloadAdamW is None:
         return
     found = {}
@@ -52,15 +52,7 @@ def eight_bit_rows(sizes: List[int], repeats: int, rows: List[dict], notes: List
         notes.extend(m for m in more if m not in notes)
         for warm_up in cs.values():
             warm_up()
-
-        def cold(fn):
-            def timed() -> float:
-                flush()
-                t0 = time.perf_counter()
-                fn()
-                return time.perf_counter() - t0
-            return timed
-        best = best_of_interleaved({k: cold(f) for k, f in cs.items()}, repeats)
+        best = best_of_interleaved({k: cold_timer(f) for k, f in cs.items()}, repeats)
         found[n] = (best, per_param)
         for name, secs in best.items():
             rows.append({"measure": "step 8-bit state", "params": n, "contender": name, "seconds": secs,
