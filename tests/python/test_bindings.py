@@ -99,6 +99,15 @@ def call_optimizer_bindings():
     return True
 
 
+def call_speculation_check_bindings():
+    a = torch.arange(10.0)
+    assert _C._content_hash(a) == _C._content_hash([a.clone()]) != _C._content_hash(a.flip(0))
+    modes = _C._thread_fp_modes()
+    assert len(modes) == torch.get_num_threads()
+    _C._set_thread_fp_modes(modes)
+    return True
+
+
 def call_scheduling_bindings():
     copier = _C.LayerCopier(-1)
     dst, src = torch.zeros(6), torch.arange(6.0)
@@ -154,6 +163,7 @@ ENTRIES = {
     **dict.fromkeys(["trace_active", "trace_start", "trace_now_ns", "trace_add", "trace_stop"], call_trace_bindings),
     **dict.fromkeys(["_adamw_step_", "AdamWStreamer", "_bits_equal"], call_optimizer_bindings),
     **dict.fromkeys(["LayerCopier", "LayerCopyTicket", "InFlightWindow"], call_scheduling_bindings),
+    **dict.fromkeys(["_content_hash", "_thread_fp_modes", "_set_thread_fp_modes"], call_speculation_check_bindings),
     **dict.fromkeys(["build_info", "cpu_isa", "device_count", "numa_nodes", "numa_device_nodes", "device_info",
                      "check_host_memory", "RuntimeLayerError"], call_platform_bindings),
     **dict.fromkeys(["op:copy_cast_", "op:pool_empty"], call_ops),
