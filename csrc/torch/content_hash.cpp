@@ -5,14 +5,16 @@
 // and the speculation is committed only where the two are equal.
 //
 // The hash: 64 bits over the bytes, position-dependent (moving, swapping or
-// changing any byte changes it), the same whatever the number of threads.
-// The bytes are cut into fixed 64 KiB blocks, hashed apart over torch's
-// thread pool and folded in order. A block is hashed in eight 64-bit lanes,
-// XXH3's accumulation: each word is keyed by its position (the key steps by
-// an odd constant, so no key table), the product of the keyed word's two
-// 32-bit halves goes into its lane (one vector instruction per 4 lanes in the
-// SSE2 and AVX2 builds) and the word itself into the neighbouring lane, so
-// that no bit is lost where a half happens to be zero.
+// changing any byte changes it), the same whatever the number of threads or
+// the CPU build. The bytes are cut into fixed 64 KiB blocks, hashed apart
+// over torch's thread pool and folded in order. A block is hashed in eight
+// 64-bit lanes, after XXH3's accumulation: each word is keyed by its position
+// (the key steps by an odd constant each stripe, so no key table), and its
+// lane adds the product of the keyed word's two 32-bit halves (one vector
+// instruction per 2 or 4 lanes) and the word itself, so that no bit is lost
+// where a half happens to be zero. The lanes are GCC/Clang vectors: the
+// baseline build runs them as SSE2, the AVX2 build (cpu::active_isa, as the
+// AdamW loop) as AVX2, with the same bits.
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
@@ -21,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "csrc/core/cpu/cpu_isa.h"
 #include "csrc/core/errors.h"
 #include "csrc/torch/python_errors.h"
 #include "csrc/torch/stable.h"
@@ -48,45 +51,55 @@ inline std::uint64_t mix64(std::uint64_t x) {
   return x;
 }
 
-struct Lanes {
-  std::uint64_t acc[8];
-  std::uint64_t key[8];
+using Lanes = std::uint64_t __attribute__((vector_size(32)));  // four 64-bit lanes; a block has two
 
-  explicit Lanes(std::uint64_t seed) {
-    for (int j = 0; j < 8; ++j) {
-      acc[j] = seed ^ (kPrime3 * static_cast<std::uint64_t>(j + 1));
-      key[j] = mix64(seed + kPrime1 * static_cast<std::uint64_t>(j + 1));
-    }
+// Inlined into each build's function below, so it compiles for that build's instruction set.
+[[gnu::always_inline]] inline std::uint64_t block_body(const unsigned char* p, std::int64_t bytes,
+                                                               std::uint64_t seed) {
+  Lanes acc[2], key[2];
+  for (int j = 0; j < 8; ++j) {
+    acc[j / 4][j % 4] = seed ^ (kPrime3 * static_cast<std::uint64_t>(j + 1));
+    key[j / 4][j % 4] = mix64(seed + kPrime1 * static_cast<std::uint64_t>(j + 1));
   }
-
-  void stripe(const unsigned char* p) {
-    std::uint64_t w[8];
-    std::memcpy(w, p, sizeof(w));
-    for (int j = 0; j < 8; ++j) {
-      const std::uint64_t x = w[j] ^ key[j];
-      acc[j] += static_cast<std::uint64_t>(static_cast<std::uint32_t>(x)) * (x >> 32);
-      acc[j ^ 1] += w[j];
-      key[j] += kPrime2 * 8;  // the key of the word one stripe on (odd step: distinct for 2^61 stripes)
-    }
-  }
-
-  std::uint64_t fold(std::uint64_t seed, std::int64_t bytes) const {
-    std::uint64_t h = mix64(seed ^ (static_cast<std::uint64_t>(bytes) * kPrime1));
-    for (int j = 0; j < 8; ++j) h = mix64(h ^ acc[j]) * kPrime2;
-    return mix64(h);
-  }
-};
-
-std::uint64_t hash_block(const unsigned char* p, std::int64_t bytes, std::uint64_t seed) {
-  Lanes lanes(seed);
+  constexpr std::uint64_t kLow = 0xFFFFFFFFULL, kStep = kPrime2 * 8;  // (odd: distinct keys for 2^61 stripes)
+  const Lanes low = {kLow, kLow, kLow, kLow}, step = {kStep, kStep, kStep, kStep};
+  unsigned char tail[kStripeBytes] = {};
   const std::int64_t whole = bytes / kStripeBytes * kStripeBytes;
-  for (std::int64_t i = 0; i < whole; i += kStripeBytes) lanes.stripe(p + i);
-  if (whole < bytes) {  // the last partial stripe, zero-padded (the length is folded in below)
-    unsigned char tail[kStripeBytes] = {};
-    std::memcpy(tail, p + whole, static_cast<std::size_t>(bytes - whole));
-    lanes.stripe(tail);
+  for (std::int64_t i = 0; i < whole + (whole < bytes ? kStripeBytes : 0); i += kStripeBytes) {
+    const unsigned char* stripe = p + i;
+    if (i == whole) {  // the last partial stripe, zero-padded (the length is folded in below)
+      std::memcpy(tail, p + whole, static_cast<std::size_t>(bytes - whole));
+      stripe = tail;
+    }
+    for (int h = 0; h < 2; ++h) {
+      Lanes w;
+      std::memcpy(&w, stripe + 32 * h, sizeof(w));
+      const Lanes x = w ^ key[h];
+      acc[h] += (x & low) * (x >> 32) + w;
+      key[h] += step;
+    }
   }
-  return lanes.fold(seed, bytes);
+  std::uint64_t h = mix64(seed ^ (static_cast<std::uint64_t>(bytes) * kPrime1));
+  for (int j = 0; j < 8; ++j) h = mix64(h ^ acc[j / 4][j % 4]) * kPrime2;
+  return mix64(h);
+}
+
+std::uint64_t hash_block_baseline(const unsigned char* p, std::int64_t bytes, std::uint64_t seed) {
+  return block_body(p, bytes, seed);
+}
+
+#ifdef HIPFERRY_HAVE_AVX2_BUILD
+HIPFERRY_AVX2_TARGET std::uint64_t hash_block_avx2(const unsigned char* p, std::int64_t bytes, std::uint64_t seed) {
+  return block_body(p, bytes, seed);
+}
+#endif
+
+std::uint64_t hash_block(cpu::Isa isa, const unsigned char* p, std::int64_t bytes, std::uint64_t seed) {
+#ifdef HIPFERRY_HAVE_AVX2_BUILD
+  if (isa == cpu::Isa::kAvx2) return hash_block_avx2(p, bytes, seed);
+#endif
+  (void)isa;
+  return hash_block_baseline(p, bytes, seed);
 }
 
 struct Span {
@@ -106,13 +119,15 @@ std::uint64_t content_hash(const std::vector<Span>& spans) {
   for (std::size_t t = 0; t < spans.size(); ++t) {
     for (std::int64_t b = first_block[t]; b < first_block[t + 1]; ++b) span_of[b] = t;
   }
+  const cpu::Isa isa = cpu::active_isa();
   torch::stable::parallel_for(0, total, kBlocksPerTask, [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t b = begin; b < end; ++b) {
       const std::size_t t = span_of[b];
       const std::int64_t offset = (b - first_block[t]) * kBlockBytes;
       const std::int64_t bytes = std::min(kBlockBytes, spans[t].bytes - offset);
       // Seeded by the block's place in the input: equal blocks at other places hash apart.
-      block_hash[b] = hash_block(spans[t].data + offset, bytes, mix64(static_cast<std::uint64_t>(b) * kPrime3 + t));
+      const std::uint64_t seed = mix64(static_cast<std::uint64_t>(b) * kPrime3 + t);
+      block_hash[b] = hash_block(isa, spans[t].data + offset, bytes, seed);
     }
   });
   std::uint64_t h = kPrime1;

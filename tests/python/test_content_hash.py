@@ -97,3 +97,11 @@ def test_thread_fp_modes_are_read_per_thread_and_set_on_another_threads_team():
     assert seen["before"] == [0] * n and seen["after"] == wanted and seen["flushed"]
     with pytest.raises(ValueError, match="expected one mode per thread"):
         _C._set_thread_fp_modes([0] * (n + 1))
+
+
+def test_the_hash_is_pinned():
+    """The same value in every build of the loop (baseline, AVX2: HIPFERRY_CPU_ISA; CI runs both)
+    and every run: a fingerprint taken on the worker is compared with one taken at step()."""
+    assert [_C._content_hash(torch.arange(n, dtype=torch.int32)) for n in (0, 1, 17, 70000)] == [
+        10239837792198629075, 8964929163001647267, 1011378660384674853, 5793901196549893190]
+    assert _C._content_hash([torch.arange(5.0), torch.arange(3.0)]) == 118856599110679276

@@ -81,7 +81,8 @@ def test_a_job_that_fails_is_redone_and_logged_and_step_raises_nothing(remote, c
             t.step(backward_then(clip=1e6))
     s = t.stats()
     assert s["failed"] == 3 and s["redone"] == 3 and s["committed"] == s["started"] - 3, s
-    logged = [r for r in caplog.records if r.levelno == logging.DEBUG and r.exc_info and "injected" in str(r.exc_info[1])]
+    logged = [r for r in caplog.records
+              if r.levelno == logging.DEBUG and r.exc_info and "injected" in str(r.exc_info[1])]
     assert len(logged) == 3
 
 

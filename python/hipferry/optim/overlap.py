@@ -30,7 +30,7 @@ class BackwardOverlap:
         self.grad_copies = grad_copies
         self.from_ddp = False  # register_ddp_comm_hook: the allreduce starts the steps
         self._group_by_param: Dict[int, dict] = {}
-        self._store = store
+        self._store, self._capacity = store, store.pool.capacity
         self._owner = weakref.ref(owner)  # (weakly: the optimizer's death ends the worker at once)
         self._reserve: Optional[tuple] = None  # (when, bytes): scratch.pool_reserve, noted once per step
 
@@ -41,7 +41,8 @@ class BackwardOverlap:
             found = self._inputs(p, slot, st, param_groups)
             if found is not None:
                 group, hyper = found
-                self.speculation.start(p, st, hyper, group["amsgrad"], slot.seen, grad, reserve=self._reserve_bytes())
+                self.speculation.start(p, st, hyper, group["amsgrad"], slot.seen, grad,
+                                       reserve=self._reserve_bytes(p))
         except Exception:  # (an optimization: step() steps the parameter anyway)
             self._failed_start()
 
@@ -65,11 +66,15 @@ class BackwardOverlap:
         self.speculation.failed += 1
         log.debug("OffloadAdamW: a speculative step could not start; step() steps the parameter", exc_info=True)
 
-    def _reserve_bytes(self) -> int:
-        """What the scratch must leave free in the pool (none to compute for a pool without a cap)."""
-        if self._store.pool.capacity is None:
+    def _reserve_bytes(self, p: torch.Tensor) -> int:
+        """What `p`'s scratch must leave free in the pool (none to compute for a pool without a
+        cap; the last figure where `p` has its scratch already: a loop over every parameter once
+        per step only where one is made)."""
+        if self._capacity is None:
             return 0
         spec = self.speculation
+        if self._reserve is not None and spec.has_scratch(p):
+            return self._reserve[1]
         when = spec.committed + spec.redone  # (changes at each step that had speculations)
         if self._reserve is None or self._reserve[0] != when:
             opt = self._owner()
@@ -100,7 +105,7 @@ class BackwardOverlap:
 
         self.speculation.start(p, st, hyper, group["amsgrad"], slot.seen, fetch_grad=fetch_grad,
                                target=lambda: real(host_param), before_write=before_write,
-                               reserve=self._reserve_bytes())
+                               reserve=self._reserve_bytes(p))
 
     def _inputs(self, p: torch.Tensor, slot: Optional[Slot], st: Optional[dict],
                 param_groups: List[dict]) -> Optional[tuple]:

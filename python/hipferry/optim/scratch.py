@@ -31,7 +31,8 @@ class NoRoom(Exception):
     """The pool cannot hold a parameter's scratch beside what the optimizer without overlap may still need."""
 
 
-def wanted(st: dict, amsgrad: bool, lp: torch.Tensor, grad_dtype: torch.dtype, snapshot: bool) -> Dict[str, torch.dtype]:
+def wanted(st: dict, amsgrad: bool, lp: torch.Tensor, grad_dtype: torch.dtype,
+           snapshot: bool) -> Dict[str, torch.dtype]:
     """The scratch buffers of one speculation, by key, with their dtypes."""
     out = {k: torch.float32 for k in STEPPED if k in st and (k != "max_exp_avg_sq" or amsgrad)}
     if "master_param" in st:

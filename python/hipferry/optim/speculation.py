@@ -59,6 +59,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from .. import _C
 from ..torch_private import amp_unscale_, current_graph_task_id, queue_end_of_backward, tensor_version
 from .checks import FUSED
 from .fingerprint import WORKER_PREFIX, fingerprint, run_under, thread_state
@@ -85,7 +86,8 @@ class _Speculation:
     thread: Optional[tuple] = None        # the thread state it ran under (fingerprint.thread_state)
     reads_param: bool = False             # it read the parameter itself (a float32 CPU parameter)
     fingerprint: Optional[int] = None     # of the gradient, parameter and state it read
-    raw_sample: Optional[torch.Tensor] = None  # its gradient's first elements before unscaling
+    raw_sample: Optional[torch.Tensor] = None  # its gradient's first elements before unscaling ...
+    grad_sample: Optional[torch.Tensor] = None  # ... and as it stepped with them (a quick first check)
     stepped: bool = False                 # its job finished the step (set by the job)
     live: bool = False                    # started since the last step / drop
 
@@ -211,6 +213,7 @@ class BackwardSpeculation:
             grad = s["grad"]
             if spec.inv_scale is not None:  # the gradient step() will use, if the scale stays (GradScaler's op)
                 amp_unscale_([grad], torch.zeros((), dtype=torch.float32), spec.inv_scale)
+        spec.grad_sample = memory_flat(grad)[:SAMPLE].clone()
         if before_write is not None:
             before_write()
         master = st.get("master_param")
@@ -223,6 +226,10 @@ class BackwardSpeculation:
         state = {k: s[k] for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if k in s}
         stepped = s["master_param"] if master is not None else s["target"]
         self._store.step(spec.hyper, stepped, grad, state, amsgrad, s.get("out"), spec.step, source)
+
+    def has_scratch(self, p: torch.Tensor) -> bool:
+        spec = self._specs.get(p)
+        return spec is not None and bool(spec.scratch)
 
     def _wait_for_jobs(self) -> None:
         self._waiting_task = None
@@ -283,8 +290,12 @@ class BackwardSpeculation:
                 and spec.key == param_key(lp) and spec.state_key == _state_key(st))
         if same:
             now = aligned(real(local(p.grad) if grad is None else grad), real(st["exp_avg"]))
-            param = st.get("master_param", real(lp) if spec.reads_param else None)
-            same = fingerprint(_reads(now, param, st, hyper["amsgrad"])) == spec.fingerprint
+            sample = memory_flat(now)[:SAMPLE]  # (clipping that fired changes every element: no full pass)
+            if sample.dtype == spec.grad_sample.dtype and _C._bits_equal(sample, spec.grad_sample):
+                param = st.get("master_param", real(lp) if spec.reads_param else None)
+                same = fingerprint(_reads(now, param, st, hyper["amsgrad"])) == spec.fingerprint
+            else:
+                same = False
         if not same:
             self.redone += 1
             return None
