@@ -6,14 +6,16 @@ Note [speculative step]
 ~~~~~~~~~~~~~~~~~~~~~~~
 * When a parameter's gradient is final (its post-accumulate-grad hook, or
   DDP's comm hook after its bucket's allreduce), a job on a worker thread
-  steps it out of place: it reads the gradient (a CPU parameter's is copied
-  first: code after backward may write it in place; under GradScaler the copy
-  is unscaled by the factor of the last step), the parameter or its master
-  and the state, and writes scratch buffers from the pool (scratch.py). It
-  fingerprints what it read (fingerprint.py: one 64-bit content hash), and
-  runs under the per-thread state of the thread that steps (intra-op thread
-  count, each thread's denormal mode). Nothing the optimizer or the model
-  owns is written.
+  steps it out of place: it reads the gradient, the parameter or its master
+  and the state, and writes scratch buffers from the pool (scratch.py). A CPU
+  parameter's gradient is copied first (hooks that run after ours in the same
+  backward may write it while the worker reads: the copy is what the step and
+  its fingerprint see); a GPU parameter's step reads the host copy of its
+  gradient; under GradScaler a copy is unscaled by the last step's factor
+  (learn_inv_scale where scaler.unscale_ ran). The job fingerprints what it
+  read (fingerprint.py: one 64-bit content hash) and runs under the
+  per-thread state of the thread that steps (intra-op thread count, each
+  thread's denormal mode). Nothing the optimizer or the model owns is written.
 * Backward does not return before every job it started has finished (a
   callback queued at the end of backward waits; under DDP it first waits for
   the allreduces that start them). Code between backward and step() may then
@@ -26,7 +28,9 @@ Note [speculative step]
   CPU parameter: the step reads it; others step from their master or host
   working copy) and of the state. A content check sees what versions do not:
   writes through `.data` or numpy, a new tensor given the old one's address.
-  Otherwise (REDO) the parameter steps as without overlap, from its untouched
+  (Code inside backward that writes a parameter or state tensor and writes
+  the old bits back while the job reads them is not seen; autograd forbids
+  writing parameters saved for backward anyway.) Otherwise (REDO) the parameter steps as without overlap, from its untouched
   state. Either way the result is bit-identical to overlap=None.
 * Commit: each state tensor keeps its object and takes the scratch's storage
   (Tensor.set_, no copy), unless anything else holds its storage (a view, a
