@@ -49,6 +49,8 @@ pybind11_add_module(_C MODULE
   csrc/torch/adamw_streamer.cpp
   csrc/torch/layer_copier.cpp
   csrc/torch/in_flight_bindings.cpp
+  csrc/torch/content_hash.cpp
+  csrc/torch/thread_fp_modes.cpp
   csrc/torch/python_module.cpp)
 if(NOT HIPFERRY_RESOLVED_TARGET STREQUAL "cpu")
   target_sources(_C PRIVATE csrc/torch/copy_cast_gpu.cpp)

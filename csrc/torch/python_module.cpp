@@ -97,6 +97,8 @@ void bind_adamw8bit(py::module_& m);    // adamw8bit_step.cpp
 void bind_adamw_streamer(py::module_& m);  // adamw_streamer.cpp
 void bind_layer_copier(py::module_& m);    // layer_copier.cpp
 void bind_in_flight_window(py::module_& m);  // in_flight_bindings.cpp
+void bind_content_hash(py::module_& m);      // content_hash.cpp
+void bind_thread_fp_modes(py::module_& m);   // thread_fp_modes.cpp
 #if defined(HIPFERRY_TEST_HOOKS)
 void bind_test_hooks(py::module_& m);  // csrc/testing/test_hooks.cpp: built with the tests only
 #endif
@@ -122,6 +124,8 @@ PYBIND11_MODULE(_C, m) {
   bind_adamw_streamer(m);
   bind_layer_copier(m);
   bind_in_flight_window(m);
+  bind_content_hash(m);
+  bind_thread_fp_modes(m);
 #if defined(HIPFERRY_TEST_HOOKS)
   bind_test_hooks(m);
 #endif

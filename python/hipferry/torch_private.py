@@ -68,6 +68,18 @@ def tensor_base(t: torch.Tensor) -> Optional[torch.Tensor]:
     return t._base
 
 
+def storage_holders(t: torch.Tensor) -> int:
+    """How many tensors, views, ``.data`` aliases, numpy arrays and storage objects
+    hold ``t``'s storage (the storage's use count, ``torch._C._storage_Use_Count``
+    of ``UntypedStorage._cdata``; the storage object this call makes is not counted)."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) - 1
+
+
+def same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` share one storage object (``UntypedStorage._cdata``)."""
+    return a.untyped_storage()._cdata == b.untyped_storage()._cdata
+
+
 _is_compiling = torch.compiler.is_compiling
 _dispatch_stack_len = torch._C._len_torch_dispatch_stack  # looked up once: eager_dispatch is on hot paths
 

@@ -142,26 +142,29 @@ def ddp_worker(rank, port, out_dir, kind="offload"):
         dist.destroy_process_group()
 
 
-def ddp_overlap_worker(rank, port, out_dir):
+def ddp_overlap_worker(rank, port, out_dir, remote=False):
     """The same DDP training twice on each rank: OffloadAdamW without overlap, and with
     overlap="backward" and its DDP comm hook (issue 26). Saves both runs' parameters and
-    state and the overlap counters."""
+    state and the overlap counters. remote=True: CPU parameters through the GPU
+    parameters' path (offload_adamw_helpers.CpuRemoteOffloadAdamW, issue 31)."""
     import hipferry.optim
+    from offload_adamw_helpers import CpuRemoteOffloadAdamW
     init_gloo(rank, port)
     try:
         runs = {}
+        cls = CpuRemoteOffloadAdamW if remote else hipferry.optim.OffloadAdamW
         for overlap in (None, "backward"):
             model = make_mlp()
             ddp = torch.nn.parallel.DistributedDataParallel(model)
-            opt = hipferry.optim.OffloadAdamW(param_groups(model), lr=LR, weight_decay=WEIGHT_DECAY, step_on="cpu",
-                                              overlap=overlap)
+            opt = cls(param_groups(model), lr=LR, weight_decay=WEIGHT_DECAY, step_on="cpu", overlap=overlap)
             if overlap is not None:
                 opt.register_ddp_comm_hook(ddp)
             norms, _ = train(ddp, opt, rank_rows(make_batches(), rank), clip="optimizer")
             runs[str(overlap)] = {
                 "params": {n: p.detach().clone() for n, p in model.named_parameters()},
                 "state": {n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in model.named_parameters()},
-                "norms": norms, "stats": opt.overlap_stats()}
+                "norms": norms, "stats": opt.overlap_stats(),
+                "grad_copies": (opt.grad_copies_reused, opt.grad_copies_made_at_step)}
         torch.save(runs, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()

@@ -108,6 +108,14 @@ def call_8bit_optimizer_bindings():
     assert torch.all(p < 1) and torch.all(absmax > 0)
     m = _C._dequantize_blockwise_8bit(codes, absmax, True)
     assert torch.all(m > 0) and _C._dynamic_map_8bit(True)[127] == 0
+
+
+def call_speculation_check_bindings():
+    a = torch.arange(10.0)
+    assert _C._content_hash(a) == _C._content_hash([a.clone()]) != _C._content_hash(a.flip(0))
+    modes = _C._thread_fp_modes()
+    assert len(modes) == torch.get_num_threads()
+    _C._set_thread_fp_modes(modes)
     return True
 
 
@@ -168,6 +176,7 @@ ENTRIES = {
     **dict.fromkeys(["_adamw8bit_step_", "_quantize_blockwise_8bit", "_dequantize_blockwise_8bit",
                      "_dynamic_map_8bit"], call_8bit_optimizer_bindings),
     **dict.fromkeys(["LayerCopier", "LayerCopyTicket", "InFlightWindow"], call_scheduling_bindings),
+    **dict.fromkeys(["_content_hash", "_thread_fp_modes", "_set_thread_fp_modes"], call_speculation_check_bindings),
     **dict.fromkeys(["build_info", "cpu_isa", "device_count", "numa_nodes", "numa_device_nodes", "device_info",
                      "check_host_memory", "RuntimeLayerError"], call_platform_bindings),
     **dict.fromkeys(["op:copy_cast_", "op:pool_empty"], call_ops),

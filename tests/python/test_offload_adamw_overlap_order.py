@@ -11,7 +11,7 @@ same run without overlap and without fakes:
 - after 8 steps parameters and state are bit-identical.
 Two mutations show the checks can fail: a forward that does not wait for the
 copies back reads stale parameters, and a backward that returns before its
-gradient snapshots are taken lets clipping write a gradient mid-copy."""
+speculative jobs finish lets clipping write a gradient mid-copy."""
 import contextlib
 import random
 
@@ -133,7 +133,7 @@ def test_a_forward_that_does_not_wait_for_the_copies_back_is_caught(references):
     assert stale, "the fake copies back landed before the forward without being waited for"
 
 
-def test_a_backward_that_returns_before_its_snapshots_is_caught(monkeypatch):
-    monkeypatch.setattr(BackwardSpeculation, "_wait_for_snapshots", lambda self: None)
+def test_a_backward_that_returns_before_its_jobs_is_caught(monkeypatch):
+    monkeypatch.setattr(BackwardSpeculation, "_wait_for_jobs", lambda self: None)
     *_, copies = run("backward", policy="last moment")
     assert "a gradient was written while its copy to the host was in flight" in copies.violations

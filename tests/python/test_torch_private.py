@@ -132,6 +132,21 @@ def test_tensor_base():
     assert tp.tensor_base(base.clone()) is None
 
 
+def test_storage_holders_and_same_storage():
+    t = torch.zeros(4, 4)
+    assert tp.storage_holders(t) == 1
+    row = t[1]
+    assert tp.storage_holders(t) == 2 and tp.same_storage(t, row)
+    data, array = t.data, t.numpy()
+    assert tp.storage_holders(t) == 4, "a .data alias and a numpy array hold it too"
+    del row, data, array
+    assert tp.storage_holders(t) == 1
+    other = torch.zeros(4, 4)
+    assert not tp.same_storage(t, other)
+    other.set_(t.untyped_storage(), 0, (4, 4), (4, 1))
+    assert tp.same_storage(t, other) and tp.storage_holders(t) == 2
+
+
 def test_eager_dispatch():
     from torch.utils._python_dispatch import TorchDispatchMode
     assert tp.eager_dispatch()

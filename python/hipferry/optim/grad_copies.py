@@ -7,10 +7,26 @@ from typing import Dict, Iterable, List, Optional
 
 import torch
 
+from .. import _C
 from ..torch_private import amp_unscale_, tensor_version
 from .device_copies import DeviceCopies
 from .state import local
 from .slots import FinishedCopy, Slot
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `a` and `b` (on one device) hold the same bits (one memcmp on the host, an
+    integer comparison on a GPU); the same memory is the same bits."""
+    if a.device != b.device or a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.data_ptr() == b.data_ptr() and a.stride() == b.stride():
+        return True
+    if a.device.type == "cpu" and a.is_contiguous() and b.is_contiguous():
+        return _C._bits_equal(a.reshape(-1), b.reshape(-1))
+    if a.is_complex():
+        a, b = torch.view_as_real(a), torch.view_as_real(b)
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.view(ints), b.view(ints))
 
 
 def inv_scale(scale: torch.Tensor) -> torch.Tensor:
@@ -31,9 +47,15 @@ class GradCopies:
         slot.grad_copy = self.copies.to_host(grad, self.pool)
         slot.copied_grad, slot.copied_version = grad, tensor_version(grad)
 
+    def start_reduced(self, slot: Slot, reduced: torch.Tensor) -> None:
+        """DDP's comm hook: `reduced` (a view of the reduced bucket) holds the parameter's
+        gradient, which DDP puts into p.grad at the end of backward; copy it to the host now."""
+        self.start(slot, reduced)
+
     def host_grad(self, slot: Slot, grad: torch.Tensor) -> torch.Tensor:
-        """The host copy of `grad` (the one backward started while it is current, else a new one)."""
-        if slot.copy_is_current(grad):
+        """The host copy of `grad` (the one backward started while it is current, or while it
+        copied DDP's reduced bucket and `grad` holds the same bits, else a new one)."""
+        if slot.copy_is_current(grad) or self._copies_reduced(slot, grad):
             copy = slot.grad_copy
             self.reused += 1
         else:
@@ -41,6 +63,14 @@ class GradCopies:
             self.made_at_step += 1
         slot.drop_grad_copy()
         return copy.wait()
+
+    @staticmethod
+    def _copies_reduced(slot: Slot, grad: torch.Tensor) -> bool:
+        source = slot.copied_grad
+        if slot.grad_copy is None or source is None or source is grad or \
+                tensor_version(source) != slot.copied_version:
+            return False
+        return same_bits(source, grad)
 
     def settle(self, slot: Slot, grad: torch.Tensor) -> torch.Tensor:
         """Waits for the current copy of `grad` and keeps its host tensor, which the

@@ -24,9 +24,9 @@ from ..pool import PinnedPool, default_pool
 from .checks import (check_flag, check_group_options, check_norm_args, check_param, group_hyper, param_dtype,
                      split_params, squeezed_betas, unordered_params_message, validate_step)
 from .engines import HostForGpuEngine, InPlaceEngine, StepItem, StreamedEngine, choose_step_on
-from .grad_copies import GradCopies, inv_scale
+from .grad_copies import GradCopies
 from .layout import memory_flat, real
-from .overlap import BackwardOverlap
+from .overlap import NO_OVERLAP_STATS, BackwardOverlap
 from .persistence import StatePersistence
 from .slots import Slot, param_key
 from .state import local, torch_group_defaults
@@ -90,7 +90,7 @@ class OffloadAdamW(StatePersistence, torch.optim.Optimizer):
         self._streamed = StreamedEngine(chunk_numel, ring_slots)
         # overlap="backward": parameters stepped on the CPU are stepped speculatively during
         # backward and committed or redone at step() (Note [speculative step]).
-        self._overlap = BackwardOverlap(self._store, self._grad_copies) if overlap == "backward" else None
+        self._overlap = BackwardOverlap(self._store, self._grad_copies, self) if overlap == "backward" else None
         self._slots: Dict[torch.Tensor, Slot] = {}
         self._hooks: list = []
         self.step_on = "cpu"
@@ -180,16 +180,19 @@ class OffloadAdamW(StatePersistence, torch.optim.Optimizer):
             if self._overlap is not None and not self._overlap.from_ddp:  # (DDP: after the allreduce)
                 self._overlap.start_local(p, slot, self.state.get(p), self.param_groups)
             return
-        if self.step_on != "cpu":
-            return
+        if self.step_on != "cpu" or (self._overlap is not None and self._overlap.from_ddp):
+            return  # (DDP: the comm hook copies the reduced gradient)
         self._grad_copies.start(slot, local(p.grad))
         if self._overlap is not None:
             self._overlap.start_remote(p, slot, self.state[p], self.param_groups)
 
     def _on_reduced_grad(self, p: torch.Tensor, grad: torch.Tensor) -> None:
         """DDP's comm hook (register_ddp_comm_hook): `p`'s gradient after the allreduce."""
+        slot = self._slots.get(p)
         if not self._is_remote(p):
-            self._overlap.start_local(p, self._slots.get(p), self.state.get(p), self.param_groups, grad)
+            self._overlap.start_local(p, slot, self.state.get(p), self.param_groups, grad)
+        elif slot is not None and slot.where == "host" and self.step_on == "cpu":
+            self._overlap.start_reduced(p, slot, self.state[p], self.param_groups, local(grad))
 
     def register_ddp_comm_hook(self, ddp_model: Any, process_group: Any = None) -> None:
         """overlap="backward" under DistributedDataParallel: a parameter's gradient
@@ -210,11 +213,9 @@ class OffloadAdamW(StatePersistence, torch.optim.Optimizer):
         return self._overlap.accumulating() if self._overlap is not None else contextlib.nullcontext()
 
     def overlap_stats(self) -> dict:
-        """overlap="backward": speculative steps started, committed at step(), and redone there
-        (the gradient, a hyperparameter or the parameter changed since, e.g. clipping fired)."""
-        if self._overlap is None:
-            return {"overlap": None, "started": 0, "committed": 0, "redone": 0}
-        return self._overlap.stats()
+        """overlap="backward": speculative steps started, committed and redone at step(), failed
+        jobs, parameters without pool room, commits that copied the state, scratch bytes (README)."""
+        return dict(NO_OVERLAP_STATS) if self._overlap is None else self._overlap.stats()
 
     @property
     def grad_copies_reused(self) -> int:
@@ -258,8 +259,8 @@ class OffloadAdamW(StatePersistence, torch.optim.Optimizer):
                 self._grad_copies.drop(self._slots.values())
             else:
                 self._grad_copies.unscale([(self._slots[p], local(p.grad)) for _, p in work], scale)
-        if spec is not None:  # the next backward's speculations unscale as this step did (the scale rarely changes)
-            spec.inv_scale = None if scale is None else inv_scale(scale).cpu()
+        if spec is not None:  # how the next backward's speculations unscale their gradients
+            self._overlap.note_scale(scaler_driven, scale, [p for _, p in work], self.state)
         # A parameter without a gradient is not stepped, but a write to it still reaches its
         # master and host copy now, as after a skipped step: the state read after step() is current.
         stepping = {id(p) for _, p in work}
@@ -268,6 +269,8 @@ class OffloadAdamW(StatePersistence, torch.optim.Optimizer):
                 self._reread_if_written(p, slot)
         self._grad_copies.wait_back()  # the host buffers the last step sent back are written again below
         self._run_engines(work, spec)
+        for _, p in work:  # after all writes: parameters that are views of one buffer share a version counter
+            self._slots[p].seen = param_key(local(p))
         if spec is not None:
             spec.drop()  # speculations of parameters without a gradient now: stale next step
         return loss
