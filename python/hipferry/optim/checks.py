@@ -7,6 +7,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
+from ..pool import PinnedPool
 from .state import LOW_PRECISION, local
 
 # Real dtypes the fused kernels step (float64 steps with torch ops: layout.torch_ops_step).
@@ -262,3 +263,34 @@ def validate_step(param_groups: List[dict], slots: Dict[torch.Tensor, Any], stat
             if group["amsgrad"] and "max_exp_avg_sq" not in state[p]:
                 added.append((p, store.amsgrad_state(lp, slot.where, state[p])))
     return work, added
+
+
+def check_options(*, skip_nonfinite: Any, overlap: Any, step_on: Any, state_dtype: Any, pool: Any,
+                  min_offload_numel: Any, chunk_numel: Any, ring_slots: Any, min_8bit_numel: Any) -> None:
+    """OffloadAdamW's own constructor arguments (torch's are checked with the groups)."""
+    check_flag(skip_nonfinite, "skip_nonfinite")
+    if overlap not in (None, "backward"):
+        raise ValueError(f"OffloadAdamW: overlap must be None or 'backward', got {overlap!r}")
+    if step_on not in ("auto", "cpu", "gpu"):
+        raise ValueError(f"OffloadAdamW: step_on must be 'auto', 'cpu' or 'gpu', got {step_on!r}")
+    if state_dtype not in (torch.float32, torch.uint8):
+        raise ValueError("OffloadAdamW: state_dtype must be torch.float32 (exact AdamW) or torch.uint8 (m and v "
+                         f"in 8 bits, blockwise, with a float32 master), got {state_dtype!r}")
+    if state_dtype == torch.uint8 and step_on == "gpu":
+        raise ValueError("OffloadAdamW: state_dtype=torch.uint8 steps on the CPU (the GPU-streamed engine moves "
+                         "float32 state only); use step_on='cpu' or 'auto'")
+    if pool is not None and not isinstance(pool, PinnedPool):
+        raise TypeError(f"OffloadAdamW: pool must be a hipferry.PinnedPool or None, got {type(pool).__name__}")
+    for name, value, low in (("min_offload_numel", min_offload_numel, 0), ("chunk_numel", chunk_numel, 1),
+                             ("ring_slots", ring_slots, 2), ("min_8bit_numel", min_8bit_numel, 0)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"OffloadAdamW: {name} must be an int >= {low}, got {value!r}")
+
+
+def grads_finite(params: List[torch.Tensor]) -> bool:
+    """Whether every gradient of `params` is finite (one sync per device)."""
+    flags = [torch.isfinite(local(p.grad)).all() for p in params]
+    by_device: Dict[torch.device, list] = {}
+    for f in flags:
+        by_device.setdefault(f.device, []).append(f)
+    return all(bool(torch.stack(fs).all()) for fs in by_device.values())

@@ -21,8 +21,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional
 import torch
 
 from ..pool import PinnedPool, default_pool
-from .checks import (check_flag, check_group_options, check_norm_args, check_param, group_hyper, param_dtype,
-                     split_params, squeezed_betas, unordered_params_message, validate_step)
+from .checks import (check_flag, check_group_options, check_norm_args, check_options, check_param, grads_finite,
+                     group_hyper, param_dtype, split_params, squeezed_betas, unordered_params_message, validate_step)
 from .engines import HostForGpuEngine, InPlaceEngine, StepItem, StreamedEngine, choose_step_on
 from .grad_copies import GradCopies
 from .layout import memory_flat, real
@@ -59,23 +59,9 @@ class OffloadAdamW(StatePersistence, torch.optim.Optimizer):
         if fused and foreach:
             raise ValueError("OffloadAdamW: fused=True and foreach=True cannot be given together (as in "
                              "torch.optim.AdamW); both are ignored, pass at most one")
-        check_flag(skip_nonfinite, "skip_nonfinite")
-        if overlap not in (None, "backward"):
-            raise ValueError(f"OffloadAdamW: overlap must be None or 'backward', got {overlap!r}")
-        if step_on not in ("auto", "cpu", "gpu"):
-            raise ValueError(f"OffloadAdamW: step_on must be 'auto', 'cpu' or 'gpu', got {step_on!r}")
-        if state_dtype not in (torch.float32, torch.uint8):
-            raise ValueError("OffloadAdamW: state_dtype must be torch.float32 (exact AdamW) or torch.uint8 (m and v "
-                             f"in 8 bits, blockwise, with a float32 master), got {state_dtype!r}")
-        if state_dtype == torch.uint8 and step_on == "gpu":
-            raise ValueError("OffloadAdamW: state_dtype=torch.uint8 steps on the CPU (the GPU-streamed engine moves "
-                             "float32 state only); use step_on='cpu' or 'auto'")
-        if pool is not None and not isinstance(pool, PinnedPool):
-            raise TypeError(f"OffloadAdamW: pool must be a hipferry.PinnedPool or None, got {type(pool).__name__}")
-        for name, value, low in (("min_offload_numel", min_offload_numel, 0), ("chunk_numel", chunk_numel, 1),
-                                 ("ring_slots", ring_slots, 2), ("min_8bit_numel", min_8bit_numel, 0)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"OffloadAdamW: {name} must be an int >= {low}, got {value!r}")
+        check_options(skip_nonfinite=skip_nonfinite, overlap=overlap, step_on=step_on, state_dtype=state_dtype,
+                      pool=pool, min_offload_numel=min_offload_numel, chunk_numel=chunk_numel, ring_slots=ring_slots,
+                      min_8bit_numel=min_8bit_numel)
         if isinstance(params, (set, frozenset)):
             raise TypeError(unordered_params_message("params"))
         # Set before super().__init__, which calls add_param_group.
@@ -243,7 +229,7 @@ class OffloadAdamW(StatePersistence, torch.optim.Optimizer):
         self.last_step_skipped = False
         scaler_driven = hasattr(self, "found_inf")  # torch.amp.GradScaler.step (see _step_supports_amp_scaling)
         if (scaler_driven and float(self.found_inf) > 0) or \
-                (self._settings["skip_nonfinite"] and work and not _grads_finite([p for _, p in work])):
+                (self._settings["skip_nonfinite"] and work and not grads_finite([p for _, p in work])):
             self.skipped_steps += 1
             self.last_step_skipped = True
             self._grad_copies.drop(self._slots.values())
@@ -389,14 +375,6 @@ class OffloadAdamW(StatePersistence, torch.optim.Optimizer):
         return {"host_state_bytes": host, "device_state_bytes": device, "ring_bytes": self._streamed.ring_bytes,
                 "grad_buffer_bytes": grad_buffers, "state_format": self._store.format,
                 "host_bytes_per_param": host / numel if numel else 0.0}
-
-
-def _grads_finite(params: List[torch.Tensor]) -> bool:
-    flags = [torch.isfinite(local(p.grad)).all() for p in params]
-    by_device: Dict[torch.device, list] = {}
-    for f in flags:
-        by_device.setdefault(f.device, []).append(f)
-    return all(bool(torch.stack(fs).all()) for fs in by_device.values())
 
 
 def _weak_hook(opt: "OffloadAdamW") -> Callable[[torch.Tensor], None]:
