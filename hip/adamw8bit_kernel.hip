@@ -78,6 +78,7 @@ __global__ void adamw8bit_kernel(optim::AdamW8bitArrays a, optim::AdamWScalars s
     float m = 0.0f, v = 0.0f, x = 0.0f;  // an idle thread adds |0| to the scales
     if (active) {
       float p = param_in[i];
+      if (kWriteOut && a.adopt_out) p = optim::adopt_written<Out>(p, out[i]);  // (in place only: the binding)
       q8::adamw8bit_element<kAmsgrad>(p, to_f32<Grad>(grad[i]), code_m[m_in.codes[i]], m_in.absmax[b],
                                       code_v[v_in.codes[i]], v_in.absmax[b], kAmsgrad ? code_v[x_in.codes[i]] : 0.0f,
                                       kAmsgrad ? x_in.absmax[b] : 0.0f, m, v, x, s);

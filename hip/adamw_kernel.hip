@@ -27,6 +27,7 @@ __global__ void adamw_kernel(optim::AdamWArrays a, optim::AdamWScalars s, std::i
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
   for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
     float p = param_in[i], m = m_in[i], v = v_in[i];
+    if (kWriteOut && a.adopt_out) p = optim::adopt_written<Out>(p, out[i]);  // (in place only: the binding)
     float mx = kAmsgrad ? max_in[i] : 0.0f;
     optim::adamw_update<kAmsgrad>(p, to_f32<Grad>(grad[i]), m, v, mx, s);
     a.param[i] = p;

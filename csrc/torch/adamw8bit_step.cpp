@@ -80,6 +80,7 @@ struct Step8 {
   Tensor param, grad, m, m_absmax, v, v_absmax, x, x_absmax, out;
   Tensor param_in, m_in, m_absmax_in, v_in, v_absmax_in, x_in, x_absmax_in;
   bool amsgrad = false;
+  bool adopt_out = false;  // param_out is the parameter: take the user's writes first (adamw_update.h)
   bool from() const {
     for (const Tensor* t : {&param_in, &m_in, &m_absmax_in, &v_in, &v_absmax_in, &x_in, &x_absmax_in}) {
       if (t->defined()) return true;
@@ -159,6 +160,7 @@ optim::AdamW8bitArrays arrays_of(const Step8& t) {
   if (t.out.defined()) {
     a.param_out = t.out.mutable_data_ptr();
     a.out_type = element_type_of(t.out);
+    a.adopt_out = t.adopt_out;
   }
   if (t.from()) {
     a.param_in = t.param_in.const_data_ptr<float>();
@@ -180,6 +182,8 @@ void for_blocks(std::int64_t n, Fn&& fn) {
 void adamw8bit_step(const Step8& t, std::int64_t step, const optim::AdamWHyper& h) {
   HF_CHECK_VALUE(step >= 1, kFn, "step must be >= 1, got ", step);
   check_step8(t);
+  HF_CHECK_VALUE(!t.adopt_out || (t.out.defined() && !t.from()), kFn,
+                 "adopt_out=True needs param_out (the parameter itself) and an in-place step (no param_in)");
   const optim::AdamWScalars s = optim::adamw_scalars(h, step);
   const optim::AdamW8bitArrays a = arrays_of(t);
   const std::int64_t n = t.param.numel();
@@ -247,7 +251,7 @@ void bind_adamw8bit(py::module_& m) {
            py::object param_out, std::int64_t step, double lr, double beta1, double beta2, double eps,
            double weight_decay, bool amsgrad, bool maximize, py::object param_in, py::object exp_avg_in,
            py::object exp_avg_absmax_in, py::object exp_avg_sq_in, py::object exp_avg_sq_absmax_in,
-           py::object max_exp_avg_sq_in, py::object max_exp_avg_sq_absmax_in) {
+           py::object max_exp_avg_sq_in, py::object max_exp_avg_sq_absmax_in, bool adopt_out) {
           translate_errors([&] {
             // Converted with the GIL; the tensors die after it is taken back (declared before no_gil).
             Step8 t;
@@ -271,6 +275,7 @@ void bind_adamw8bit(py::module_& m) {
             t.amsgrad = amsgrad;
             const optim::AdamWHyper h{lr, beta1, beta2, eps, weight_decay, amsgrad, maximize};
             py::gil_scoped_release no_gil;
+            t.adopt_out = adopt_out;
             adamw8bit_step(t, step, h);
           });
         },
@@ -281,6 +286,7 @@ void bind_adamw8bit(py::module_& m) {
         py::arg("exp_avg_in") = py::none(), py::arg("exp_avg_absmax_in") = py::none(),
         py::arg("exp_avg_sq_in") = py::none(), py::arg("exp_avg_sq_absmax_in") = py::none(),
         py::arg("max_exp_avg_sq_in") = py::none(), py::arg("max_exp_avg_sq_absmax_in") = py::none(),
+        py::arg("adopt_out") = false,
         "One fused AdamW step with 8-bit blockwise moments (uint8 codes, one float32 absmax per block of 256): "
         "in place, or reading param_in and the *_in state and writing param and the state.");
   m.def("_quantize_blockwise_8bit",

@@ -61,7 +61,8 @@ void check_inputs(const std::array<const Tensor*, 4>& in, const std::array<const
 void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg, const Tensor& exp_avg_sq,
                 const Tensor& max_exp_avg_sq, const Tensor& param_out, std::int64_t step, double lr, double beta1,
                 double beta2, double eps, double weight_decay, bool amsgrad, bool maximize, const Tensor& param_in,
-                const Tensor& exp_avg_in, const Tensor& exp_avg_sq_in, const Tensor& max_exp_avg_sq_in) {
+                const Tensor& exp_avg_in, const Tensor& exp_avg_sq_in, const Tensor& max_exp_avg_sq_in,
+                bool adopt_out) {
   HF_CHECK_VALUE(step >= 1, "hipferry._adamw_step_: step must be >= 1, got ", step);
   HF_CHECK_VALUE(param.is_cpu() || param.is_cuda(), "hipferry._adamw_step_: param is on ",
                  device_name(param.device()), "; expected the CPU or a GPU");
@@ -76,6 +77,8 @@ void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg, 
   if (has_out) check_state(param_out, "param_out", param, false);
   const bool from = param_in.defined() || exp_avg_in.defined() || exp_avg_sq_in.defined() ||
                     max_exp_avg_sq_in.defined();
+  HF_CHECK_VALUE(!adopt_out || (has_out && !from), "hipferry._adamw_step_: adopt_out=True needs param_out (the "
+                 "parameter itself) and an in-place step (no param_in)");
   if (from) {
     check_inputs({&param_in, &exp_avg_in, &exp_avg_sq_in, &max_exp_avg_sq_in},
                  {&param, &exp_avg, &exp_avg_sq, &max_exp_avg_sq, &param_out}, param, amsgrad);
@@ -94,6 +97,7 @@ void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg, 
   if (has_out) {
     a.param_out = param_out.mutable_data_ptr();
     a.out_type = element_type_of(param_out);
+    a.adopt_out = adopt_out;
   }
   if (from) {
     a.param_in = param_in.const_data_ptr<float>();
@@ -154,7 +158,7 @@ void bind_adamw(py::module_& m) {
         [](py::object param, py::object grad, py::object exp_avg, py::object exp_avg_sq, py::object max_exp_avg_sq,
            py::object param_out, std::int64_t step, double lr, double beta1, double beta2, double eps,
            double weight_decay, bool amsgrad, bool maximize, py::object param_in, py::object exp_avg_in,
-           py::object exp_avg_sq_in, py::object max_exp_avg_sq_in) {
+           py::object exp_avg_sq_in, py::object max_exp_avg_sq_in, bool adopt_out) {
           translate_errors([&] {
             // Converted with the GIL; the tensors die after it is taken back (declared before no_gil).
             const Tensor p = tensor_from_python(param, "hipferry._adamw_step_: param");
@@ -170,16 +174,18 @@ void bind_adamw(py::module_& m) {
                 tensor_from_python(max_exp_avg_sq_in, "hipferry._adamw_step_: max_exp_avg_sq_in", true);
             py::gil_scoped_release no_gil;
             adamw_step(p, g, m1, m2, mx, out, step, lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, p_in,
-                       m1_in, m2_in, mx_in);
+                       m1_in, m2_in, mx_in, adopt_out);
           });
         },
         py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
         py::arg("max_exp_avg_sq"), py::arg("param_out"), py::arg("step"), py::arg("lr"), py::arg("beta1"),
         py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("amsgrad"), py::arg("maximize"),
         py::arg("param_in") = py::none(), py::arg("exp_avg_in") = py::none(), py::arg("exp_avg_sq_in") = py::none(),
-        py::arg("max_exp_avg_sq_in") = py::none(),
+        py::arg("max_exp_avg_sq_in") = py::none(), py::arg("adopt_out") = false,
         "One fused AdamW step over one parameter's state: in place, or reading param_in and the *_in "
-        "state and writing param and the state (the speculative step of overlap='backward').");
+        "state and writing param and the state (the speculative step of overlap='backward'). adopt_out: "
+        "param_out is the parameter, and an element whose bits differ from the rounded param (master) "
+        "was written by the user and becomes the master first.");
 }
 
 }  // namespace hipferry

@@ -1373,3 +1373,53 @@ def test_param_write_is_read_at_next_step(engine, dtype, write):
     side_by_side_steps(model, opt, ref_model, ref, 2, first=3)
     assert_params_moved(before, params)
     assert_matches_twin(model, ref_model, dtype, f"2 steps after {write}")
+
+
+UNSEEN_WRITES = ["data_copy", "numpy_write", "untyped_storage_copy"]
+# A bf16/fp16 parameter the optimizer steps in place holds the rounded master after every step, so a
+# parameter whose bits differ from its rounded master at step() was written by the user: the fused pass
+# takes its value as the master (the engines that step the parameter where it lives: the CPU engine on
+# CPU parameters, the GPU-streamed engine on GPU parameters).
+UNSEEN_CASES = [pytest.param(e, id=eid, marks=m) for e, eid, m in engine_cases(exclude=("cpu-remote", "cuda-cpu"))]
+
+
+@pytest.mark.parametrize("write", UNSEEN_WRITES)
+@pytest.mark.parametrize("engine", UNSEEN_CASES)
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.uint8], ids=["fp32-state", "8bit-state"])
+def test_bf16_param_write_no_version_shows_is_taken_without_reload_params(engine, write, state_dtype):
+    device = dev(engine)
+    if state_dtype == torch.uint8 and device != "cpu":
+        pytest.skip("8-bit state steps on the CPU engine")
+    model = make_model(device, torch.bfloat16)
+    opt = make_offload(engine, model.parameters(), state_dtype=state_dtype, min_8bit_numel=0, **WRITE_KW)
+    twin_model = twin(model)  # the same optimizer, told about the write: the reference
+    twin_opt = make_offload(engine, twin_model.parameters(), state_dtype=state_dtype, min_8bit_numel=0, **WRITE_KW)
+    train_steps(((opt, model), (twin_opt, twin_model)), range(3))
+    other = make_model(device, torch.bfloat16, seed=7)
+    for p, q, t in zip(model.parameters(), twin_model.parameters(), other.parameters()):
+        keys = param_key(p)
+        new = t.detach().clone()
+        new.view(-1)[::2] = p.detach().view(-1)[::2]  # half the elements keep their value: their master stays
+        if write == "data_copy":
+            p.data.copy_(new)
+        elif write == "numpy_write":
+            if device != "cpu":
+                pytest.skip("numpy() is on the CPU only")
+            p.detach().view(-1).view(torch.uint8).numpy()[...] = new.reshape(-1).view(torch.uint8).numpy()
+        else:
+            p.untyped_storage().copy_(new.clone().untyped_storage())
+        assert param_key(p) == keys, "a write no version counter, pointer or stride shows"
+        q.data.copy_(new)
+    twin_opt.reload_params()
+    train_steps(((opt, model), (twin_opt, twin_model)), (3, 4))
+    for k, (p, q) in enumerate(zip(model.parameters(), twin_model.parameters())):
+        assert torch.equal(p, q), f"param {k}: the write was lost (it should equal reload_params()'s result)"
+        assert torch.equal(opt.state[p]["master_param"], twin_opt.state[q]["master_param"]), f"param {k}: master"
+
+
+def train_steps(runs, steps):
+    for o, m in runs:
+        for step in steps:
+            o.zero_grad()
+            backward(m, step)
+            o.step()

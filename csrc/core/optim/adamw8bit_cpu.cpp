@@ -19,6 +19,8 @@ namespace hipferry::optim {
 namespace {
 
 using q8::kBlock;
+// What a loop does with param_out (kWriteOut), as in adamw_cpu.cpp.
+constexpr int kNoOut = 0, kWrite = 1, kAdoptAndWrite = 2;
 
 // out[k][j] = table[k][index[k][j]] for j < count, k < kTables, interleaved so that more
 // reads are in flight. A plain scalar loop in both builds: on the Zen 4 this was measured
@@ -102,7 +104,7 @@ template <int kStates>
 
 // kFrom: out of place (the *_in arrays are read, apart from every array written).
 // `moments` holds the old codes' table entries on entry and the new moments on return.
-template <class Grad, class Out, bool kAmsgrad, bool kWriteOut, bool kFrom>
+template <class Grad, class Out, bool kAmsgrad, int kWriteOut, bool kFrom>
 [[gnu::always_inline]] inline void update_block(const AdamW8bitArrays& a, const AdamWScalars& s, std::int64_t block,
                                                 int count, BlockMoments& moments) {
   const std::int64_t first = block * kBlock;
@@ -122,6 +124,7 @@ template <class Grad, class Out, bool kAmsgrad, bool kWriteOut, bool kFrom>
   for (int j = 0; j < count; ++j) {
     const std::int64_t i = first + j;
     float p = kFrom ? param_in[i] : param[i];
+    if constexpr (kWriteOut == kAdoptAndWrite) p = adopt_written<Out>(p, out[i]);
     float m, v, x;
     q8::adamw8bit_element<kAmsgrad>(p, to_f32<Grad>(grad[i]), m_buf[j], scale_m, v_buf[j], scale_v,
                                     kAmsgrad ? x_buf[j] : 0.0f, scale_x, m, v, x, sc);
@@ -166,7 +169,7 @@ template <class Grad, bool kAmsgrad, bool kFrom>
   }
 }
 
-template <class Grad, class Out, bool kAmsgrad, bool kWriteOut, bool kFrom>
+template <class Grad, class Out, bool kAmsgrad, int kWriteOut, bool kFrom>
 [[gnu::always_inline]] inline void adamw8bit_body(const AdamW8bitArrays& a, const AdamWScalars& s,
                                                   std::int64_t begin, std::int64_t end) {
   const q8::Quant8Map& map_m = q8::quant8_map(true);
@@ -207,14 +210,14 @@ template <class Grad, class Out, bool kAmsgrad, bool kWriteOut, bool kFrom>
 }
 
 #ifdef HIPFERRY_HAVE_AVX2_BUILD
-template <class Grad, class Out, bool kAmsgrad, bool kWriteOut, bool kFrom>
+template <class Grad, class Out, bool kAmsgrad, int kWriteOut, bool kFrom>
 HIPFERRY_AVX2_TARGET void adamw8bit_loop_avx2(const AdamW8bitArrays& a, const AdamWScalars& s, std::int64_t begin,
                                               std::int64_t end) {
   adamw8bit_body<Grad, Out, kAmsgrad, kWriteOut, kFrom>(a, s, begin, end);
 }
 #endif
 
-template <class Grad, class Out, bool kAmsgrad, bool kWriteOut, bool kFrom>
+template <class Grad, class Out, bool kAmsgrad, int kWriteOut, bool kFrom>
 void adamw8bit_loop(cpu::Isa isa, const AdamW8bitArrays& a, const AdamWScalars& s, std::int64_t begin,
                     std::int64_t end) {
 #ifdef HIPFERRY_HAVE_AVX2_BUILD
@@ -227,13 +230,16 @@ void adamw8bit_loop(cpu::Isa isa, const AdamW8bitArrays& a, const AdamWScalars& 
 template <class Grad, class Out, bool kFrom>
 void adamw8bit_pick_from(cpu::Isa isa, const AdamW8bitArrays& a, const AdamWScalars& s, std::int64_t begin,
                          std::int64_t end) {
-  const bool out = a.param_out != nullptr;
+  const int out = a.param_out == nullptr ? kNoOut : (!kFrom && a.adopt_out) ? kAdoptAndWrite : kWrite;
   if (s.amsgrad) {
-    out ? adamw8bit_loop<Grad, Out, true, true, kFrom>(isa, a, s, begin, end)
-        : adamw8bit_loop<Grad, Out, true, false, kFrom>(isa, a, s, begin, end);
+    out == kWrite ? adamw8bit_loop<Grad, Out, true, kWrite, kFrom>(isa, a, s, begin, end)
+    : out == kNoOut ? adamw8bit_loop<Grad, Out, true, kNoOut, kFrom>(isa, a, s, begin, end)
+                    : adamw8bit_loop<Grad, Out, true, kFrom ? kWrite : kAdoptAndWrite, kFrom>(isa, a, s, begin, end);
   } else {
-    out ? adamw8bit_loop<Grad, Out, false, true, kFrom>(isa, a, s, begin, end)
-        : adamw8bit_loop<Grad, Out, false, false, kFrom>(isa, a, s, begin, end);
+    out == kWrite ? adamw8bit_loop<Grad, Out, false, kWrite, kFrom>(isa, a, s, begin, end)
+    : out == kNoOut ? adamw8bit_loop<Grad, Out, false, kNoOut, kFrom>(isa, a, s, begin, end)
+                    : adamw8bit_loop<Grad, Out, false, kFrom ? kWrite : kAdoptAndWrite, kFrom>(isa, a, s, begin,
+                                                                                              end);
   }
 }
 

@@ -40,6 +40,7 @@ struct AdamW8bitArrays {
   Quant8Array max_exp_avg_sq;       // amsgrad only (unsigned map), else unused
   void* param_out = nullptr;        // also write the updated value here in out_type (nullptr: don't)
   ElementType out_type = ElementType::kBFloat16;
+  bool adopt_out = false;           // param_out is the parameter itself: AdamWArrays::adopt_out
   // Out of place (AdamWArrays' *_in, the speculative step): read these, write the arrays
   // above, leave these untouched. All null: in place. Set: param_in, exp_avg_in and
   // exp_avg_sq_in (and max_exp_avg_sq_in with amsgrad), none overlapping an array written.

@@ -12,9 +12,13 @@
 namespace hipferry::optim {
 namespace {
 
+// What a loop does with param_out (kWriteOut): nothing, write the new values, or first take the
+// user's writes as the master, then write (AdamWArrays::adopt_out).
+constexpr int kNoOut = 0, kWrite = 1, kAdoptAndWrite = 2;
+
 // kFrom: out of place (AdamWArrays' *_in arrays are read; distinct from the written ones, so
 // every pointer may be __restrict). In place, the *_in pointers are never touched.
-template <class Grad, class Out, bool kAmsgrad, bool kWriteOut, bool kFrom>
+template <class Grad, class Out, bool kAmsgrad, int kWriteOut, bool kFrom>
 [[gnu::always_inline]] inline void adamw_body(const AdamWArrays& a, const AdamWScalars& s, std::int64_t begin,
                                               std::int64_t end) {
   float* __restrict param = a.param;
@@ -33,6 +37,7 @@ template <class Grad, class Out, bool kAmsgrad, bool kWriteOut, bool kFrom>
 #pragma omp simd
   for (std::int64_t i = begin; i < end; ++i) {
     float p = kFrom ? param_in[i] : param[i];
+    if constexpr (kWriteOut == kAdoptAndWrite) p = adopt_written<Out>(p, out[i]);
     float mi = kFrom ? m_in[i] : m[i];
     float vi = kFrom ? v_in[i] : v[i];
     float mx = kAmsgrad ? (kFrom ? max_v_in[i] : max_v[i]) : 0.0f;
@@ -46,14 +51,14 @@ template <class Grad, class Out, bool kAmsgrad, bool kWriteOut, bool kFrom>
 }
 
 #ifdef HIPFERRY_HAVE_AVX2_BUILD
-template <class Grad, class Out, bool kAmsgrad, bool kWriteOut, bool kFrom>
+template <class Grad, class Out, bool kAmsgrad, int kWriteOut, bool kFrom>
 HIPFERRY_AVX2_TARGET void adamw_loop_avx2(const AdamWArrays& a, const AdamWScalars& s,
                                                           std::int64_t begin, std::int64_t end) {
   adamw_body<Grad, Out, kAmsgrad, kWriteOut, kFrom>(a, s, begin, end);
 }
 #endif
 
-template <class Grad, class Out, bool kAmsgrad, bool kWriteOut, bool kFrom>
+template <class Grad, class Out, bool kAmsgrad, int kWriteOut, bool kFrom>
 void adamw_loop(cpu::Isa isa, const AdamWArrays& a, const AdamWScalars& s, std::int64_t begin, std::int64_t end) {
 #ifdef HIPFERRY_HAVE_AVX2_BUILD
   if (isa == cpu::Isa::kAvx2) return adamw_loop_avx2<Grad, Out, kAmsgrad, kWriteOut, kFrom>(a, s, begin, end);
@@ -65,13 +70,15 @@ void adamw_loop(cpu::Isa isa, const AdamWArrays& a, const AdamWScalars& s, std::
 template <class Grad, class Out, bool kFrom>
 void adamw_pick_from(cpu::Isa isa, const AdamWArrays& a, const AdamWScalars& s, std::int64_t begin,
                      std::int64_t end) {
-  const bool out = a.param_out != nullptr;
+  const int out = a.param_out == nullptr ? kNoOut : (!kFrom && a.adopt_out) ? kAdoptAndWrite : kWrite;
   if (s.amsgrad) {
-    out ? adamw_loop<Grad, Out, true, true, kFrom>(isa, a, s, begin, end)
-        : adamw_loop<Grad, Out, true, false, kFrom>(isa, a, s, begin, end);
+    out == kWrite ? adamw_loop<Grad, Out, true, kWrite, kFrom>(isa, a, s, begin, end)
+    : out == kNoOut ? adamw_loop<Grad, Out, true, kNoOut, kFrom>(isa, a, s, begin, end)
+                    : adamw_loop<Grad, Out, true, kFrom ? kWrite : kAdoptAndWrite, kFrom>(isa, a, s, begin, end);
   } else {
-    out ? adamw_loop<Grad, Out, false, true, kFrom>(isa, a, s, begin, end)
-        : adamw_loop<Grad, Out, false, false, kFrom>(isa, a, s, begin, end);
+    out == kWrite ? adamw_loop<Grad, Out, false, kWrite, kFrom>(isa, a, s, begin, end)
+    : out == kNoOut ? adamw_loop<Grad, Out, false, kNoOut, kFrom>(isa, a, s, begin, end)
+                    : adamw_loop<Grad, Out, false, kFrom ? kWrite : kAdoptAndWrite, kFrom>(isa, a, s, begin, end);
   }
 }
 

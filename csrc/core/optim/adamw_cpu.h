@@ -20,6 +20,9 @@ struct AdamWArrays {
   float* max_exp_avg_sq = nullptr;  // amsgrad only (else unused, may be nullptr)
   void* param_out = nullptr;        // also write the updated value here in out_type (nullptr: don't)
   ElementType out_type = ElementType::kBFloat16;
+  // param_out is the parameter itself (in place only): an element the user wrote since the last step
+  // becomes the master first (adopt_written, Note [a write the master does not see]).
+  bool adopt_out = false;
   // Out of place (the speculative step of OffloadAdamW(overlap="backward")): read the parameter
   // and the state from these and write the arrays above, leaving these untouched. All null: in
   // place. Set: all of param_in, exp_avg_in, exp_avg_sq_in (and max_exp_avg_sq_in with amsgrad),

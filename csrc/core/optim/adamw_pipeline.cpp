@@ -72,6 +72,7 @@ void AdamWPipeline::step(const std::vector<StreamedArrays>& params, const AdamWS
         arr.param = dev[a++];
         arr.param_out = param_at;
         arr.out_type = p.param_type;
+        arr.adopt_out = true;  // the parameter itself: a write the master did not see is taken
       } else {
         arr.param = reinterpret_cast<float*>(param_at);
       }

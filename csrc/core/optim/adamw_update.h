@@ -97,4 +97,21 @@ HIPFERRY_HD void adamw_update(float& param, float grad, float& m, float& v, floa
   param = param - s.step_size * (m / denom);
 }
 
+// Note [a write the master does not see]: a bf16/fp16 parameter stepped where it lives holds its
+// rounded master after every step (param_out), so an element whose bits differ from the rounded
+// master at the next step was written by the user (`p.data.copy_`, numpy, a storage copy: writes
+// no version counter shows). Its value becomes the master before the step, as torch.optim.AdamW
+// would continue from it. Compared on bits: a NaN the step left (the one NaN) stays the master's.
+template <class Out>
+HIPFERRY_HD float adopt_written(float master, typename Out::storage written) {
+  const typename Out::storage rounded = from_f32<Out>(master);
+  bool same;
+  if constexpr (sizeof(rounded) == 4) {
+    same = f32_as_bits(rounded) == f32_as_bits(written);
+  } else {
+    same = rounded == written;
+  }
+  return same ? master : to_f32<Out>(written);
+}
+
 }  // namespace hipferry::optim

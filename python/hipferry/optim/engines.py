@@ -65,7 +65,9 @@ class InPlaceEngine:
             master = st.get("master_param")
             if master is not None:
                 out = rp if direct else torch.empty_like(m, dtype=rp.dtype)
-                self.store.step(hyper, master, grad, st, hyper["amsgrad"], out, it.step)
+                # direct: the fused pass takes a write no version showed (the parameter's bits no
+                # longer the rounded master's) as the master first (adamw_update.h adopt_written)
+                self.store.step(hyper, master, grad, st, hyper["amsgrad"], out, it.step, adopt=direct)
             else:
                 out = rp if direct else torch.empty_like(m, dtype=torch.float32).copy_(rp)
                 self.store.step(hyper, out, grad, st, hyper["amsgrad"], None, it.step)

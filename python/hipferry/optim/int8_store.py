@@ -78,9 +78,9 @@ class Int8Store(Float32Store):
 
     @staticmethod
     def step(hyper: dict, target: torch.Tensor, grad: torch.Tensor, st: Dict[str, torch.Tensor], amsgrad: bool,
-             out: Optional[torch.Tensor], step: int, source: Optional[dict] = None) -> None:
+             out: Optional[torch.Tensor], step: int, source: Optional[dict] = None, adopt: bool = False) -> None:
         if not is_8bit(st):
-            return Float32Store.step(hyper, target, grad, st, amsgrad, out, step, source)
+            return Float32Store.step(hyper, target, grad, st, amsgrad, out, step, source, adopt)
         if source is not None:
             raise NotImplementedError("the 8-bit step runs in place only")  # (speculation skips 8-bit states)
         m = st["exp_avg"]
@@ -90,7 +90,7 @@ class Int8Store(Float32Store):
                             flat(st["exp_avg_sq"]), st["exp_avg_sq_absmax"],
                             flat(mx) if mx is not None else None,
                             st["max_exp_avg_sq_absmax"] if mx is not None else None,
-                            flat(out) if out is not None else None, step, **hyper)
+                            flat(out) if out is not None else None, step, **hyper, adopt_out=adopt)
 
 
 # --------------------------------------------------------- format conversion

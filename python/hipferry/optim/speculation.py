@@ -89,6 +89,7 @@ class _Speculation:
     state_key: Optional[tuple] = None     # the state tensors it read: identities and versions (_state_key)
     thread: Optional[tuple] = None        # the thread state it ran under (fingerprint.thread_state)
     reads_param: bool = False             # it read the parameter itself (a float32 CPU parameter)
+    local: bool = False                   # the parameter lives with its state (a CPU parameter)
     fingerprint: Optional[int] = None     # of the gradient, parameter and state it read
     raw_sample: Optional[torch.Tensor] = None  # its gradient's first elements before unscaling ...
     grad_sample: Optional[torch.Tensor] = None  # ... and as it stepped with them (a quick first check)
@@ -168,6 +169,7 @@ class BackwardSpeculation:
         spec.step, spec.hyper, spec.key = int(st["step"].item()) + 1, dict(hyper), key
         spec.inv_scale, spec.thread, spec.state_key = self.inv_scale, self.thread, _state_key(st)
         spec.reads_param = fetch_grad is None and "master_param" not in st
+        spec.local = fetch_grad is None
         local_grad = fetch_grad is None
         if local_grad:
             fetch_grad = (lambda g=grad: g)
@@ -223,7 +225,7 @@ class BackwardSpeculation:
         master = st.get("master_param")
         param = master if master is not None else target()
         spec.fingerprint = fingerprint(_reads(grad, param if spec.reads_param or master is not None else None,
-                                              st, amsgrad))
+                                              st, amsgrad, _adopted(lp, st, spec)))
         # Out of place: reads the state and the parameter (or its master), writes the scratch.
         source = {k: st[k] for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if k in s}
         source["param"] = param
@@ -297,7 +299,7 @@ class BackwardSpeculation:
             sample = memory_flat(now)[:SAMPLE]  # (clipping that fired changes every element: no full pass)
             if sample.dtype == spec.grad_sample.dtype and _C._bits_equal(sample, spec.grad_sample):
                 param = st.get("master_param", real(lp) if spec.reads_param else None)
-                same = fingerprint(_reads(now, param, st, hyper["amsgrad"])) == spec.fingerprint
+                same = fingerprint(_reads(now, param, st, hyper["amsgrad"], _adopted(lp, st, spec))) == spec.fingerprint
             else:
                 same = False
         if not same:
@@ -340,9 +342,16 @@ class BackwardSpeculation:
         self._specs.clear()  # the scratch goes back to the pool now
 
 
-def _reads(grad: torch.Tensor, param: Optional[torch.Tensor], st: dict, amsgrad: bool) -> list:
+def _reads(grad: torch.Tensor, param: Optional[torch.Tensor], st: dict, amsgrad: bool,
+           adopted: Optional[torch.Tensor] = None) -> list:
     """What the fused step reads besides the step count and hyperparameters, in a fixed order."""
-    return [grad, param, st["exp_avg"], st["exp_avg_sq"], st["max_exp_avg_sq"] if amsgrad else None]
+    return [grad, param, st["exp_avg"], st["exp_avg_sq"], st["max_exp_avg_sq"] if amsgrad else None, adopted]
+
+
+def _adopted(lp: torch.Tensor, st: dict, spec: "_Speculation") -> Optional[torch.Tensor]:
+    """A bf16/fp16 CPU parameter itself: the ordinary step reads it too, and takes what the user
+    wrote there unseen as the master (adamw_update.h adopt_written)."""
+    return real(lp) if spec.local and "master_param" in st else None
 
 
 def _state_key(st: dict) -> tuple:

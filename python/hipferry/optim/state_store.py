@@ -98,12 +98,14 @@ class Float32Store:
 
     @staticmethod
     def step(hyper: dict, target: torch.Tensor, grad: torch.Tensor, st: Dict[str, torch.Tensor], amsgrad: bool,
-             out: Optional[torch.Tensor], step: int, source: Optional[dict] = None) -> None:
+             out: Optional[torch.Tensor], step: int, source: Optional[dict] = None, adopt: bool = False) -> None:
         """One fused step over the flat memory-order views of a float32 `target`
         (parameter, master or host copy), its gradient (aligned to the state's
         strides here) and its state `st`; `out` gets the rounded values.
         `source` (keys "param" and st's): read from those, write `target` and
-        `st` (out of place: the speculative step)."""
+        `st` (out of place: the speculative step). `adopt`: `out` is the
+        parameter itself, and elements the user wrote since the last step (bits
+        that differ from the rounded master) become the master first."""
         m, v = real(st["exp_avg"]), real(st["exp_avg_sq"])
         mx = real(st.get("max_exp_avg_sq")) if amsgrad else None
         flat = memory_flat
@@ -114,4 +116,4 @@ class Float32Store:
             if amsgrad:
                 ins["max_exp_avg_sq_in"] = flat(real(source["max_exp_avg_sq"]))
         _C._adamw_step_(flat(target), flat(aligned(grad, m)), flat(m), flat(v), flat(mx) if mx is not None else None,
-                        flat(out) if out is not None else None, step, **hyper, **ins)
+                        flat(out) if out is not None else None, step, **hyper, **ins, adopt_out=adopt)
