@@ -53,7 +53,7 @@ pybind11_add_module(_C MODULE
   csrc/torch/thread_fp_modes.cpp
   csrc/torch/python_module.cpp)
 if(NOT HIPFERRY_RESOLVED_TARGET STREQUAL "cpu")
-  target_sources(_C PRIVATE csrc/torch/copy_cast_gpu.cpp)
+  target_sources(_C PRIVATE csrc/torch/copy_cast_gpu.cpp csrc/torch/adamw_step_gpu.cpp)
 endif()
 # Test and benchmark hooks (hipferry._C._testing): only in builds made for the tests.
 if(HIPFERRY_TEST_HOOKS)

@@ -1,10 +1,16 @@
-// hipferry._C._adamw_step_: the fused AdamW step over one parameter's state
-// tensors (the building block of the offloaded optimizer). CPU tensors: the
-// vectorized loop on torch's thread pool; GPU tensors: ONE kernel on the
-// current stream. Both run optim::adamw_update.
-// hipferry._C._bits_equal: the commit test of a speculative step (Note
-// [speculative step] in hipferry/optim/speculation.py).
+// The ops hipferry::adamw_step_ (the fused AdamW step over one parameter's
+// state tensors, the building block of the offloaded optimizer) and
+// hipferry::bits_equal (the commit test of a speculative step, Note
+// [speculative step] in hipferry/optim/speculation.py): their checks, their CPU
+// kernels, and the pybind fast paths _C._adamw_step_ / _C._bits_equal that call
+// the same functions without the dispatcher (Note [adamw_step_ fast path]).
+// CPU tensors: the vectorized loop on torch's thread pool; GPU tensors: ONE
+// kernel on the current stream (registered in adamw_step_gpu.cpp). Both run
+// optim::adamw_update.
+#include "csrc/torch/adamw_step.h"
+
 #include <pybind11/pybind11.h>
+#include <torch/csrc/stable/library.h>
 
 #include <algorithm>
 #include <array>
@@ -16,8 +22,8 @@
 #include "hip/adamw_kernel.h"
 #include "csrc/core/optim/adamw_cpu.h"
 #include "csrc/torch/current_stream.h"
+#include "csrc/torch/op_errors.h"
 #include "csrc/torch/python_errors.h"
-#include "csrc/torch/stable.h"
 #include "csrc/torch/tensor_bridge.h"
 
 namespace py = pybind11;
@@ -26,14 +32,14 @@ namespace hipferry {
 namespace {
 
 void check_state(const Tensor& t, const char* name, const Tensor& param, bool float32) {
-  HF_CHECK_VALUE(t.layout() == torch::headeronly::Layout::Strided && t.is_contiguous(), "hipferry._adamw_step_: ",
+  HF_CHECK_VALUE(t.layout() == torch::headeronly::Layout::Strided && t.is_contiguous(), "hipferry.adamw_step_: ",
                  name, " must be a contiguous dense tensor");
-  HF_CHECK_VALUE(t.numel() == param.numel(), "hipferry._adamw_step_: ", name, " has ", t.numel(),
+  HF_CHECK_VALUE(t.numel() == param.numel(), "hipferry.adamw_step_: ", name, " has ", t.numel(),
                  " elements but param has ", param.numel(), "; expected equal sizes");
-  HF_CHECK_VALUE(t.device() == param.device(), "hipferry._adamw_step_: ", name, " is on ", device_name(t.device()),
+  HF_CHECK_VALUE(t.device() == param.device(), "hipferry.adamw_step_: ", name, " is on ", device_name(t.device()),
                  " but param is on ", device_name(param.device()), "; expected one device");
   const ScalarType st = t.scalar_type();
-  HF_CHECK_VALUE(float32 ? st == ScalarType::Float : is_float_convertible(st), "hipferry._adamw_step_: ", name,
+  HF_CHECK_VALUE(float32 ? st == ScalarType::Float : is_float_convertible(st), "hipferry.adamw_step_: ", name,
                  " has dtype ", dtype_name(st), "; expected ", float32 ? "float32" : "float32, float16 or bfloat16");
 }
 
@@ -44,27 +50,28 @@ void check_inputs(const std::array<const Tensor*, 4>& in, const std::array<const
   static constexpr const char* kNames[] = {"param_in", "exp_avg_in", "exp_avg_sq_in", "max_exp_avg_sq_in"};
   for (int i = 0; i < 4; ++i) {
     const bool wanted = i < 3 || amsgrad;
-    HF_CHECK_VALUE(in[i]->defined() == wanted, "hipferry._adamw_step_: ", kNames[i],
+    HF_CHECK_VALUE(in[i]->defined() == wanted, "hipferry.adamw_step_: ", kNames[i],
                    wanted ? " is missing: param_in, exp_avg_in and exp_avg_sq_in (and max_exp_avg_sq_in with "
                             "amsgrad) come together"
                           : " is given without amsgrad");
     if (!wanted) continue;
     check_state(*in[i], kNames[i], param, true);
     for (const Tensor* w : written) {
-      HF_CHECK_VALUE(!w->defined() || !bytes_overlap(*in[i], *w), "hipferry._adamw_step_: ", kNames[i],
+      HF_CHECK_VALUE(!w->defined() || !bytes_overlap(*in[i], *w), "hipferry.adamw_step_: ", kNames[i],
                      " overlaps an array the step writes; expected separate memory");
     }
   }
 }
 
-// Undefined tensors stand for None; param_in undefined: in place.
+}  // namespace
+
 void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg, const Tensor& exp_avg_sq,
                 const Tensor& max_exp_avg_sq, const Tensor& param_out, std::int64_t step, double lr, double beta1,
                 double beta2, double eps, double weight_decay, bool amsgrad, bool maximize, const Tensor& param_in,
                 const Tensor& exp_avg_in, const Tensor& exp_avg_sq_in, const Tensor& max_exp_avg_sq_in,
                 bool adopt_out) {
-  HF_CHECK_VALUE(step >= 1, "hipferry._adamw_step_: step must be >= 1, got ", step);
-  HF_CHECK_VALUE(param.is_cpu() || param.is_cuda(), "hipferry._adamw_step_: param is on ",
+  HF_CHECK_VALUE(step >= 1, "hipferry.adamw_step_: step must be >= 1, got ", step);
+  HF_CHECK_VALUE(param.is_cpu() || param.is_cuda(), "hipferry.adamw_step_: param is on ",
                  device_name(param.device()), "; expected the CPU or a GPU");
   check_state(param, "param", param, true);
   check_state(grad, "grad", param, false);
@@ -72,12 +79,12 @@ void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg, 
   check_state(exp_avg_sq, "exp_avg_sq", param, true);
   const bool has_max = max_exp_avg_sq.defined();
   const bool has_out = param_out.defined();
-  HF_CHECK_VALUE(!amsgrad || has_max, "hipferry._adamw_step_: amsgrad=True needs max_exp_avg_sq");
+  HF_CHECK_VALUE(!amsgrad || has_max, "hipferry.adamw_step_: amsgrad=True needs max_exp_avg_sq");
   if (amsgrad) check_state(max_exp_avg_sq, "max_exp_avg_sq", param, true);
   if (has_out) check_state(param_out, "param_out", param, false);
   const bool from = param_in.defined() || exp_avg_in.defined() || exp_avg_sq_in.defined() ||
                     max_exp_avg_sq_in.defined();
-  HF_CHECK_VALUE(!adopt_out || (has_out && !from), "hipferry._adamw_step_: adopt_out=True needs param_out (the "
+  HF_CHECK_VALUE(!adopt_out || (has_out && !from), "hipferry.adamw_step_: adopt_out=True needs param_out (the "
                  "parameter itself) and an in-place step (no param_in)");
   if (from) {
     check_inputs({&param_in, &exp_avg_in, &exp_avg_sq_in, &max_exp_avg_sq_in},
@@ -115,16 +122,16 @@ void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg, 
   }
 }
 
-// Whether two dense CPU tensors of as many bytes hold the same bytes. torch.equal compares values at
-// about half the memory bandwidth; this splits memcmp over torch's thread pool and stops early once
-// a piece differs (the speculative step's commit compares every gradient at step()).
+// torch.equal compares values at about half the memory bandwidth; this splits memcmp over torch's
+// thread pool and stops early once a piece differs (the speculative step's commit compares every
+// gradient at step()).
 bool bits_equal(const Tensor& a, const Tensor& b) {
   for (const Tensor* t : {&a, &b}) {
     HF_CHECK_VALUE(t->is_cpu() && t->layout() == torch::headeronly::Layout::Strided && t->is_contiguous(),
-                   "hipferry._bits_equal: ", t == &a ? "a" : "b", " must be a contiguous dense CPU tensor");
+                   "hipferry.bits_equal: ", t == &a ? "a" : "b", " must be a contiguous dense CPU tensor");
   }
   const std::size_t bytes = nbytes_of(a);
-  HF_CHECK_VALUE(bytes == nbytes_of(b), "hipferry._bits_equal: a has ", bytes, " bytes and b ", nbytes_of(b),
+  HF_CHECK_VALUE(bytes == nbytes_of(b), "hipferry.bits_equal: a has ", bytes, " bytes and b ", nbytes_of(b),
                  "; expected as many");
   const char* pa = static_cast<const char*>(a.const_data_ptr());
   const char* pb = static_cast<const char*>(b.const_data_ptr());
@@ -140,38 +147,97 @@ bool bits_equal(const Tensor& a, const Tensor& b) {
   return !differ.load();
 }
 
+namespace {
+
+Tensor or_undefined(const std::optional<Tensor>& t) { return t.has_value() ? *t : Tensor(); }
+
+}  // namespace
+
+void adamw_step_op(Tensor param, Tensor grad, Tensor exp_avg, Tensor exp_avg_sq, std::optional<Tensor> max_exp_avg_sq,
+                   std::optional<Tensor> param_out, std::int64_t step, double lr, double beta1, double beta2,
+                   double eps, double weight_decay, bool amsgrad, bool maximize, std::optional<Tensor> param_in,
+                   std::optional<Tensor> exp_avg_in, std::optional<Tensor> exp_avg_sq_in,
+                   std::optional<Tensor> max_exp_avg_sq_in, bool adopt_out) {
+  tag_op_errors([&] {
+    adamw_step(param, grad, exp_avg, exp_avg_sq, or_undefined(max_exp_avg_sq), or_undefined(param_out), step, lr,
+               beta1, beta2, eps, weight_decay, amsgrad, maximize, or_undefined(param_in), or_undefined(exp_avg_in),
+               or_undefined(exp_avg_sq_in), or_undefined(max_exp_avg_sq_in), adopt_out);
+  });
+}
+
+bool bits_equal_op(Tensor a, Tensor b) {
+  return tag_op_errors([&] { return bits_equal(a, b); });
+}
+
+namespace {
+
+// Note [adamw_step_ fast path]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// _C._adamw_step_ and _C._bits_equal call the op kernels' functions without the
+// dispatcher: about 1.6 us a call against 4.4 us through
+// torch.ops.hipferry.adamw_step_ (a 16-element tensor, best of many, AMD EPYC),
+// and OffloadAdamW makes one call per parameter. hipferry.ops.adamw_step_ /
+// bits_equal take them for eager calls; tracing and dispatch modes take the op.
+// Both paths give the same results and the same errors: torch's negative (and,
+// for bits_equal, conjugate) bit, which the stable ABI cannot see, is asked of
+// the Python object here and refused, as the op's Negative / Conjugate kernels
+// in hipferry/ops.py refuse it.
+// obj.<method>() as a bool, through CPython's vectorcall (a pybind11 attribute call costs ~0.15 us).
+bool call_bool_method(py::handle obj, PyObject* method) {
+  PyObject* self = obj.ptr();
+  PyObject* r = PyObject_VectorcallMethod(method, &self, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
+  if (r == nullptr) throw py::error_already_set();
+  Py_DECREF(r);
+  return r == Py_True;
+}
+
+// `what`: "hipferry.<op>: <argument>".
+Tensor plain_tensor_from_python(py::handle obj, const char* what, bool allow_none, bool conj) {
+  static PyObject* const is_neg = PyUnicode_InternFromString("is_neg");
+  static PyObject* const is_conj = PyUnicode_InternFromString("is_conj");
+  const Tensor t = tensor_from_python(obj, what, allow_none);
+  if (!t.defined()) return t;
+  HF_CHECK_VALUE(!call_bool_method(obj, is_neg), what,
+                 " has torch's negative bit set (a lazy view); expected a tensor without it (resolve_neg() makes one)");
+  HF_CHECK_VALUE(!conj || !call_bool_method(obj, is_conj), what,
+                 " has torch's conjugate bit set (a lazy view); expected a tensor without it (resolve_conj() makes "
+                 "one)");
+  return t;
+}
+
 }  // namespace
 
 void bind_adamw(py::module_& m) {
   m.def("_bits_equal",
         [](py::object a, py::object b) {
           return translate_errors([&] {
-            const Tensor ta = tensor_from_python(a, "hipferry._bits_equal: a");
-            const Tensor tb = tensor_from_python(b, "hipferry._bits_equal: b");
+            const Tensor ta = plain_tensor_from_python(a, "hipferry.bits_equal: a", false, true);
+            const Tensor tb = plain_tensor_from_python(b, "hipferry.bits_equal: b", false, true);
             py::gil_scoped_release no_gil;
             return bits_equal(ta, tb);
           });
         },
-        py::arg("a"), py::arg("b"),
-        "Whether two contiguous CPU tensors of as many bytes hold the same bytes (torch's thread pool).");
+        py::arg("a"), py::arg("b"), "hipferry.ops.bits_equal without the dispatcher (Note [adamw_step_ fast path]).");
   m.def("_adamw_step_",
         [](py::object param, py::object grad, py::object exp_avg, py::object exp_avg_sq, py::object max_exp_avg_sq,
            py::object param_out, std::int64_t step, double lr, double beta1, double beta2, double eps,
            double weight_decay, bool amsgrad, bool maximize, py::object param_in, py::object exp_avg_in,
            py::object exp_avg_sq_in, py::object max_exp_avg_sq_in, bool adopt_out) {
           translate_errors([&] {
+            const auto in = [](py::handle obj, const char* what, bool allow_none = true) {
+              return plain_tensor_from_python(obj, what, allow_none, false);
+            };
             // Converted with the GIL; the tensors die after it is taken back (declared before no_gil).
-            const Tensor p = tensor_from_python(param, "hipferry._adamw_step_: param");
-            const Tensor g = tensor_from_python(grad, "hipferry._adamw_step_: grad");
-            const Tensor m1 = tensor_from_python(exp_avg, "hipferry._adamw_step_: exp_avg");
-            const Tensor m2 = tensor_from_python(exp_avg_sq, "hipferry._adamw_step_: exp_avg_sq");
-            const Tensor mx = tensor_from_python(max_exp_avg_sq, "hipferry._adamw_step_: max_exp_avg_sq", true);
-            const Tensor out = tensor_from_python(param_out, "hipferry._adamw_step_: param_out", true);
-            const Tensor p_in = tensor_from_python(param_in, "hipferry._adamw_step_: param_in", true);
-            const Tensor m1_in = tensor_from_python(exp_avg_in, "hipferry._adamw_step_: exp_avg_in", true);
-            const Tensor m2_in = tensor_from_python(exp_avg_sq_in, "hipferry._adamw_step_: exp_avg_sq_in", true);
-            const Tensor mx_in =
-                tensor_from_python(max_exp_avg_sq_in, "hipferry._adamw_step_: max_exp_avg_sq_in", true);
+            const Tensor p = in(param, "hipferry.adamw_step_: param", false);
+            const Tensor g = in(grad, "hipferry.adamw_step_: grad", false);
+            const Tensor m1 = in(exp_avg, "hipferry.adamw_step_: exp_avg", false);
+            const Tensor m2 = in(exp_avg_sq, "hipferry.adamw_step_: exp_avg_sq", false);
+            const Tensor mx = in(max_exp_avg_sq, "hipferry.adamw_step_: max_exp_avg_sq");
+            const Tensor out = in(param_out, "hipferry.adamw_step_: param_out");
+            const Tensor p_in = in(param_in, "hipferry.adamw_step_: param_in");
+            const Tensor m1_in = in(exp_avg_in, "hipferry.adamw_step_: exp_avg_in");
+            const Tensor m2_in = in(exp_avg_sq_in, "hipferry.adamw_step_: exp_avg_sq_in");
+            const Tensor mx_in = in(max_exp_avg_sq_in, "hipferry.adamw_step_: max_exp_avg_sq_in");
             py::gil_scoped_release no_gil;
             adamw_step(p, g, m1, m2, mx, out, step, lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, p_in,
                        m1_in, m2_in, mx_in, adopt_out);
@@ -182,10 +248,12 @@ void bind_adamw(py::module_& m) {
         py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("amsgrad"), py::arg("maximize"),
         py::arg("param_in") = py::none(), py::arg("exp_avg_in") = py::none(), py::arg("exp_avg_sq_in") = py::none(),
         py::arg("max_exp_avg_sq_in") = py::none(), py::arg("adopt_out") = false,
-        "One fused AdamW step over one parameter's state: in place, or reading param_in and the *_in "
-        "state and writing param and the state (the speculative step of overlap='backward'). adopt_out: "
-        "param_out is the parameter, and an element whose bits differ from the rounded param (master) "
-        "was written by the user and becomes the master first.");
+        "hipferry.ops.adamw_step_ without the dispatcher (Note [adamw_step_ fast path]).");
 }
 
 }  // namespace hipferry
+
+STABLE_TORCH_LIBRARY_IMPL(hipferry, CPU, m) {
+  m.impl("adamw_step_", TORCH_BOX(&hipferry::adamw_step_op));
+  m.impl("bits_equal", TORCH_BOX(&hipferry::bits_equal_op));
+}

@@ -1,7 +1,10 @@
 """Thin Python wrappers over torch.ops.hipferry (the schemas live in csrc/torch/ops.cpp)."""
+from typing import Optional
+
 import torch
 
-from .torch_private import neg_view
+from . import _C
+from .torch_private import eager_dispatch, neg_view
 
 # Op kernels run behind LibTorch's stable ABI, where torch's dispatcher raises
 # whatever a kernel throws as RuntimeError; the kernel tags the message with
@@ -119,3 +122,142 @@ def _copy_cast_math_bits(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 for _key in ("Conjugate", "Negative"):
     _math_bits.impl("copy_cast_", _copy_cast_math_bits, _key)
+
+
+# ------------------------------------------------------------------ adamw_step_ / bits_equal
+_fast_path = eager_dispatch
+
+
+def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                max_exp_avg_sq: Optional[torch.Tensor], param_out: Optional[torch.Tensor], step: int, lr: float,
+                beta1: float, beta2: float, eps: float, weight_decay: float, amsgrad: bool, maximize: bool,
+                param_in: Optional[torch.Tensor] = None, exp_avg_in: Optional[torch.Tensor] = None,
+                exp_avg_sq_in: Optional[torch.Tensor] = None,
+                max_exp_avg_sq_in: Optional[torch.Tensor] = None, adopt_out: bool = False) -> None:
+    """One fused AdamW step over one parameter's flat state (``torch.ops.hipferry.adamw_step_``).
+
+    ``param``, ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq`` with amsgrad)
+    are float32; ``grad`` and ``param_out`` (the updated values rounded, or None)
+    float32, bfloat16 or float16; all contiguous, with as many elements, on one
+    device. In place, or out of place when ``param_in`` and the ``*_in`` state
+    are given (read from those, written to ``param`` and the state). CPU: the
+    vectorized loop on torch's thread pool, done when it returns; GPU: ONE
+    kernel on the current stream. Bad input raises ValueError naming the
+    argument before anything is written. ``adopt_out``: ``param_out`` is the
+    parameter itself (in place), and elements whose bits differ from the
+    rounded ``param`` were written by the user: they become ``param`` first.
+    """
+    if _fast_path():  # Note [adamw_step_ fast path]
+        _C._adamw_step_(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_out, step, lr, beta1, beta2, eps,
+                        weight_decay, amsgrad, maximize, param_in, exp_avg_in, exp_avg_sq_in, max_exp_avg_sq_in,
+                        adopt_out)
+        return
+    call_op(torch.ops.hipferry.adamw_step_.default, param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_out,
+            step, lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, param_in, exp_avg_in, exp_avg_sq_in,
+            max_exp_avg_sq_in, adopt_out)
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous CPU tensors of as many bytes hold the same bytes
+    (``torch.ops.hipferry.bits_equal``; memcmp split over torch's threads)."""
+    if _fast_path():
+        return _C._bits_equal(a, b)
+    return call_op(torch.ops.hipferry.bits_equal.default, a, b)
+
+
+_ADAMW_TENSORS = ("param", "grad", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "param_out")  # the schema's first six
+_ADAMW_INPUTS = ("param_in", "exp_avg_in", "exp_avg_sq_in", "max_exp_avg_sq_in")  # its last four
+
+
+def _lazy_bit_message(op: str, name: str, bit: str) -> str:
+    # The pybind fast path's message (csrc/torch/adamw_step.cpp, plain_tensor_from_python).
+    return (f"hipferry.{op}: {name} has torch's {'negative' if bit == 'neg' else 'conjugate'} bit set (a lazy "
+            f"view); expected a tensor without it (resolve_{bit}() makes one)")
+
+
+def _adamw_check_state(t: torch.Tensor, name: str, param: torch.Tensor, float32: bool) -> None:
+    # check_state in csrc/torch/adamw_step.cpp, written for symbolic shapes.
+    if t.layout != torch.strided or not t.is_contiguous():
+        raise ValueError(f"hipferry.adamw_step_: {name} must be a contiguous dense tensor")
+    if t.numel() != param.numel():
+        raise ValueError(f"hipferry.adamw_step_: {name} has {t.numel()} elements but param has {param.numel()}; "
+                         "expected equal sizes")
+    if t.device != param.device:
+        raise ValueError(f"hipferry.adamw_step_: {name} is on {t.device} but param is on {param.device}; "
+                         "expected one device")
+    if (t.dtype != torch.float32) if float32 else (t.dtype not in _CONVERTIBLE):
+        raise ValueError(f"hipferry.adamw_step_: {name} has dtype {t.dtype}; expected "
+                         f"{'float32' if float32 else 'float32, float16 or bfloat16'}")
+
+
+@torch.library.register_fake("hipferry::adamw_step_")
+def _adamw_step_fake(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_out, step, lr, beta1, beta2, eps,
+                     weight_decay, amsgrad, maximize, param_in=None, exp_avg_in=None, exp_avg_sq_in=None,
+                     max_exp_avg_sq_in=None, adopt_out=False) -> None:
+    # The kernel's checks in its order (adamw_step in csrc/torch/adamw_step.cpp), but for the overlap of the
+    # *_in arrays with the written ones, which only real memory shows.
+    if step < 1:
+        raise ValueError(f"hipferry.adamw_step_: step must be >= 1, got {step}")
+    _adamw_check_state(param, "param", param, True)
+    _adamw_check_state(grad, "grad", param, False)
+    _adamw_check_state(exp_avg, "exp_avg", param, True)
+    _adamw_check_state(exp_avg_sq, "exp_avg_sq", param, True)
+    if amsgrad and max_exp_avg_sq is None:
+        raise ValueError("hipferry.adamw_step_: amsgrad=True needs max_exp_avg_sq")
+    if amsgrad:
+        _adamw_check_state(max_exp_avg_sq, "max_exp_avg_sq", param, True)
+    if param_out is not None:
+        _adamw_check_state(param_out, "param_out", param, False)
+    ins = (param_in, exp_avg_in, exp_avg_sq_in, max_exp_avg_sq_in)
+    if any(t is not None for t in ins):
+        for i, (name, t) in enumerate(zip(_ADAMW_INPUTS, ins)):
+            wanted = i < 3 or amsgrad
+            if (t is not None) != wanted:
+                raise ValueError(f"hipferry.adamw_step_: {name} is missing: param_in, exp_avg_in and exp_avg_sq_in "
+                                 "(and max_exp_avg_sq_in with amsgrad) come together" if wanted else
+                                 f"hipferry.adamw_step_: {name} is given without amsgrad")
+            if wanted:
+                _adamw_check_state(t, name, param, True)
+    if adopt_out and (param_out is None or param_in is not None):
+        raise ValueError("hipferry.adamw_step_: adopt_out=True needs param_out (the parameter itself) and an "
+                         "in-place step (no param_in)")
+
+
+def _adamw_step_math_bits(*args, **kwargs) -> None:
+    # Tensors with torch's negative or conjugate bit meet this kernel first (see copy_cast_'s above): a
+    # negative bit is refused, as the fast path refuses it; the conjugate bit is resolved (only complex
+    # tensors have it, and the kernel then refuses their dtype, as the fast path does).
+    names = _ADAMW_TENSORS + ("step", "lr", "beta1", "beta2", "eps", "weight_decay", "amsgrad", "maximize") + \
+        _ADAMW_INPUTS + ("adopt_out",)
+    bound = dict(zip(names, args), **kwargs)
+    for name, t in bound.items():
+        if isinstance(t, torch.Tensor) and t.is_neg():
+            raise ValueError(_lazy_bit_message("adamw_step_", name, "neg"))
+    bound = {k: t.resolve_conj() if isinstance(t, torch.Tensor) else t for k, t in bound.items()}
+    call_op(torch.ops.hipferry.adamw_step_.default, *(bound.get(k) for k in names))
+
+
+@torch.library.register_fake("hipferry::bits_equal")
+def _bits_equal_fake(a: torch.Tensor, b: torch.Tensor):
+    for name, t in (("a", a), ("b", b)):
+        if t.device.type not in ("cpu", "meta") or t.layout != torch.strided or not t.is_contiguous():
+            raise ValueError(f"hipferry.bits_equal: {name} must be a contiguous dense CPU tensor")
+    if a.numel() * a.element_size() != b.numel() * b.element_size():
+        raise ValueError(f"hipferry.bits_equal: a has {a.numel() * a.element_size()} bytes and b "
+                         f"{b.numel() * b.element_size()}; expected as many")
+    # The answer is in the data: a fresh unbacked symbol (torch.compile breaks the graph on a branch over it).
+    return torch.library.get_ctx().new_dynamic_size(min=0, max=1) == 1
+
+
+def _bits_equal_math_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # Bytes of a tensor with a lazy bit are not its values: refused, as by the fast path.
+    for name, t in (("a", a), ("b", b)):
+        for bit in ("neg", "conj"):
+            if getattr(t, f"is_{bit}")():
+                raise ValueError(_lazy_bit_message("bits_equal", name, bit))
+    return call_op(torch.ops.hipferry.bits_equal.default, a, b)
+
+
+for _key in ("Conjugate", "Negative"):
+    _math_bits.impl("adamw_step_", _adamw_step_math_bits, _key)
+    _math_bits.impl("bits_equal", _bits_equal_math_bits, _key)

@@ -12,6 +12,7 @@ CPU capabilities, so nothing here is bit for bit against torch):
   the baseline build (HIPFERRY_CPU_ISA=baseline, in a subprocess), the GPU
   kernel against the CPU loop (tests/cpp/adamw_kernel_test.cpp);
 - the float64 model, a bound in ulps per step: tests/cpp/adamw_cpu_test.cpp."""
+import functools
 import os
 import subprocess
 import sys
@@ -21,6 +22,8 @@ import torch
 
 import hipferry
 from hipferry import _C
+from hipferry.ops import call_op
+from hipferry.torch_private import neg_view
 from conftest import requires_gpu
 
 DEVICES = ["cpu", pytest.param("cuda", marks=requires_gpu)]
@@ -80,7 +83,18 @@ def test_bf16_params_with_fp32_master_equal_torch_on_fp32_then_cast(device):
     assert ((low.cpu().float() - want.float()).abs() <= want.float().abs() * 2**-7).all(), "at most one bf16 ulp"
 
 
-def test_bad_input_is_rejected_and_nothing_changes():
+def through_the_dispatcher(**kwargs):
+    """torch.ops.hipferry.adamw_step_ (what tracing records), its errors raised as hipferry raises them."""
+    call_op(functools.partial(torch.ops.hipferry.adamw_step_.default, **kwargs))
+
+
+# The three ways in: the pybind fast path, the public wrapper, the op (Note [adamw_step_ fast path]).
+PATHS = {"_C._adamw_step_": _C._adamw_step_, "hipferry.ops.adamw_step_": hipferry.ops.adamw_step_,
+         "torch.ops.hipferry.adamw_step_": through_the_dispatcher}
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_bad_input_is_rejected_and_nothing_changes(path):
     p, g, m, v = torch.ones(8), torch.ones(8), torch.zeros(8), torch.zeros(8)
     cases = [
         (dict(step=0), "step must be >= 1"),
@@ -94,13 +108,16 @@ def test_bad_input_is_rejected_and_nothing_changes():
               max_exp_avg_sq_in=torch.zeros(8)), "max_exp_avg_sq_in is given without amsgrad"),
         (dict(param_in=p, exp_avg_in=torch.zeros(8), exp_avg_sq_in=torch.zeros(8)),
          "param_in overlaps an array the step writes"),
+        (dict(exp_avg=neg_view(m)), "exp_avg has torch's negative bit set"),
+        (dict(grad=neg_view(g)), "grad has torch's negative bit set"),
+        (dict(param=torch.ones(8, dtype=torch.complex64).conj()), "param has dtype torch.complex64"),
     ]
     for change, message in cases:
         args = dict(param=p, grad=g, exp_avg=m, exp_avg_sq=v, max_exp_avg_sq=None, param_out=None, step=1,
                     lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, amsgrad=False, maximize=False)
         args.update(change)
         with pytest.raises(ValueError, match=message):
-            _C._adamw_step_(**args)
+            PATHS[path](**args)
     assert torch.equal(p, torch.ones(8)) and torch.equal(m, torch.zeros(8)) and torch.equal(v, torch.zeros(8))
 
 

@@ -160,6 +160,12 @@ def call_ops():
         torch.library.opcheck(torch.ops.hipferry.pool_empty.default, (pool._id, [3], torch.float32),
                               test_utils=("test_schema", "test_faketensor"))
     torch.library.opcheck(torch.ops.hipferry.copy_cast_.default, (torch.zeros(3), torch.ones(3)))
+    p, g, m, v = torch.ones(10), torch.full((10,), 0.5), torch.zeros(10), torch.zeros(10)
+    torch.ops.hipferry.adamw_step_.default(p, g, m, v, None, None, 1, 0.1, 0.9, 0.999, 1e-8, 0.0, False, False)
+    assert torch.all(p < 1) and torch.all(m > 0)
+    assert torch.ops.hipferry.bits_equal.default(p, p.clone()) is True
+    torch.library.opcheck(torch.ops.hipferry.adamw_step_.default,
+                          (p, g, m, v, None, None, 2, 0.1, 0.9, 0.999, 1e-8, 0.0, False, False))
     return True
 
 
@@ -179,7 +185,7 @@ ENTRIES = {
     **dict.fromkeys(["_content_hash", "_thread_fp_modes", "_set_thread_fp_modes"], call_speculation_check_bindings),
     **dict.fromkeys(["build_info", "cpu_isa", "device_count", "numa_nodes", "numa_device_nodes", "device_info",
                      "check_host_memory", "RuntimeLayerError"], call_platform_bindings),
-    **dict.fromkeys(["op:copy_cast_", "op:pool_empty"], call_ops),
+    **dict.fromkeys(["op:copy_cast_", "op:pool_empty", "op:adamw_step_", "op:bits_equal"], call_ops),
 }
 
 
