@@ -18,7 +18,7 @@ BITS_EQUAL = torch.ops.hipferry.bits_equal.default
 
 
 def step_args(device="cpu", n=37, amsgrad=False, grad_dtype=torch.float32, out_dtype=None, from_inputs=False,
-              step=3, maximize=False):
+              step=3, maximize=False, adopt_out=False):
     """Positional arguments of adamw_step_ in schema order."""
     g = torch.Generator().manual_seed(n)
     f32 = [torch.randn(n, generator=g).to(device) for _ in range(4)]
@@ -28,6 +28,10 @@ def step_args(device="cpu", n=37, amsgrad=False, grad_dtype=torch.float32, out_d
     args = [param, grad, m, v, mx, out, step, *HYPER.values(), amsgrad, maximize]
     if from_inputs:
         args += [param.clone(), m.clone(), v.clone(), mx.clone() if amsgrad else None]
+    if adopt_out:  # param_out holds the parameter: the rounded param, some elements written since
+        out.copy_(param)
+        out[::3] = 1.5
+        args += [None, None, None, None, True]
     return args
 
 
@@ -37,6 +41,7 @@ CASES = {
     "f16 out maximize": dict(out_dtype=torch.float16, maximize=True),
     "out of place": dict(from_inputs=True),
     "out of place amsgrad": dict(from_inputs=True, amsgrad=True),
+    "bf16 out adopts writes": dict(out_dtype=torch.bfloat16, adopt_out=True),
 }
 
 

@@ -7,7 +7,7 @@ from typing import Dict, Iterable, List, Optional
 
 import torch
 
-from .. import _C
+from .. import ops
 from ..torch_private import amp_unscale_, tensor_version
 from .device_copies import DeviceCopies
 from .state import local
@@ -22,7 +22,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.data_ptr() == b.data_ptr() and a.stride() == b.stride():
         return True
     if a.device.type == "cpu" and a.is_contiguous() and b.is_contiguous():
-        return _C._bits_equal(a.reshape(-1), b.reshape(-1))
+        return ops.bits_equal(a.reshape(-1), b.reshape(-1))
     if a.is_complex():
         a, b = torch.view_as_real(a), torch.view_as_real(b)
     ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]

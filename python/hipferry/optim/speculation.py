@@ -63,7 +63,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from .. import _C
+from .. import ops
 from ..torch_private import amp_unscale_, current_graph_task_id, queue_end_of_backward, tensor_version
 from .checks import FUSED
 from .fingerprint import WORKER_PREFIX, fingerprint, run_under, thread_state
@@ -297,7 +297,7 @@ class BackwardSpeculation:
         if same:
             now = aligned(real(local(p.grad) if grad is None else grad), real(st["exp_avg"]))
             sample = memory_flat(now)[:SAMPLE]  # (clipping that fired changes every element: no full pass)
-            if sample.dtype == spec.grad_sample.dtype and _C._bits_equal(sample, spec.grad_sample):
+            if sample.dtype == spec.grad_sample.dtype and ops.bits_equal(sample, spec.grad_sample):
                 param = st.get("master_param", real(lp) if spec.reads_param else None)
                 same = fingerprint(_reads(now, param, st, hyper["amsgrad"], _adopted(lp, st, spec))) == spec.fingerprint
             else:

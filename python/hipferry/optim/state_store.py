@@ -11,7 +11,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .. import _C
+from .. import ops
 from ..pool import PinnedPool
 from .checks import param_dtype
 from .layout import aligned, memory_flat, real, shaped, state_strides
@@ -115,5 +115,5 @@ class Float32Store:
                        exp_avg_sq_in=flat(real(source["exp_avg_sq"])))
             if amsgrad:
                 ins["max_exp_avg_sq_in"] = flat(real(source["max_exp_avg_sq"]))
-        _C._adamw_step_(flat(target), flat(aligned(grad, m)), flat(m), flat(v), flat(mx) if mx is not None else None,
+        ops.adamw_step_(flat(target), flat(aligned(grad, m)), flat(m), flat(v), flat(mx) if mx is not None else None,
                         flat(out) if out is not None else None, step, **hyper, **ins, adopt_out=adopt)
