@@ -22,8 +22,12 @@ namespace hipferry {
 namespace {
 
 #ifdef HIPFERRY_HAVE_AVX2_BUILD
-// The AVX2 build (cpu_isa.h) runs: its loops and the F16C conversions it includes.
-bool avx2_build_active() { return cpu::active_isa() == cpu::Isa::kAvx2; }
+// The AVX2 build (cpu_isa.h) or one beyond it runs: the F16C conversions, and the AVX2 loops
+// where there is no wider build.
+bool avx2_build_active() { return cpu::active_isa() >= cpu::Isa::kAvx2; }
+#endif
+#ifdef HIPFERRY_HAVE_AVX512_BUILD
+bool avx512_build_active() { return cpu::active_isa() == cpu::Isa::kAvx512; }
 #endif
 
 template <class From, class To>
@@ -46,8 +50,19 @@ HIPFERRY_AVX2_TARGET void convert_range_avx2(const typename From::storage* src,
 }
 #endif
 
+#ifdef HIPFERRY_HAVE_AVX512_BUILD
+template <class From, class To>
+HIPFERRY_AVX512_TARGET void convert_range_avx512(const typename From::storage* src, typename To::storage* dst,
+                                                 std::int64_t n) {
+  convert_body<From, To>(src, dst, n);
+}
+#endif
+
 template <class From, class To>
 void convert_range_portable(const typename From::storage* src, typename To::storage* dst, std::int64_t n) {
+#ifdef HIPFERRY_HAVE_AVX512_BUILD
+  if (avx512_build_active()) return convert_range_avx512<From, To>(src, dst, n);
+#endif
 #ifdef HIPFERRY_HAVE_AVX2_BUILD
   if (avx2_build_active()) return convert_range_avx2<From, To>(src, dst, n);
 #endif

@@ -110,7 +110,7 @@ PYBIND11_MODULE(_C, m) {
   py::register_exception<rt::Error>(m, "RuntimeLayerError", PyExc_RuntimeError);
   m.def("build_info", &build_info, "What this binary was built for.");
   m.def("cpu_isa", [] { return cpu::isa_name(cpu::active_isa()); },
-        "The build of the CPU loops in use: 'avx2' or 'baseline' (HIPFERRY_CPU_ISA; ValueError if invalid).");
+        "The build of the CPU loops in use: 'avx512', 'avx2' or 'baseline' (HIPFERRY_CPU_ISA; ValueError if invalid).");
   m.def("device_count", &rt::device_count, "GPU devices visible to the runtime (0 without).");
   m.def("device_info", &device_info, py::arg("device"));
   m.def("numa_nodes", [] { return pool::NumaTopology::read().nodes; }, "The host's online NUMA nodes.");

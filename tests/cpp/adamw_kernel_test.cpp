@@ -4,6 +4,7 @@
 // without a device.
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -152,6 +153,48 @@ TEST(AdamWKernelGpu, OutOfPlaceBitIdenticalToTheCpuLoopInPlace) {
   for (float* ptr : host) rt::host_free(ptr);
   rt::host_free(g);
   rt::host_free(out);
+}
+
+// NaNs of both signs with assorted payloads, quiet and signalling, and infinities in every array:
+// the GPU writes the CPU loop's bits, every NaN the canonical 0x7fc00000 (Note [one NaN]; NVIDIA
+// GPUs make their own NaNs as 0x7fffffff, x86 as 0xffc00000).
+TEST(AdamWKernelGpu, NaNsAndInfinitiesBitIdenticalToTheCpuLoop) {
+  if (rt::device_count() == 0) GTEST_SKIP() << "no GPU device";
+  rt::set_device(0);
+  constexpr std::size_t n = 30011;
+  constexpr std::uint32_t kSpecial[] = {0x7fc00000, 0xffc00000, 0x7fc00001, 0xffffffff, 0x7f800001,
+                                        0xff800123, 0x7f800000, 0xff800000, 0x00000000};
+  constexpr std::uint16_t kSpecialBF16[] = {0x7fc0, 0xffc1, 0x7f81, 0xff80, 0x7f80};
+  HostState cpu(n);
+  std::mt19937 rng(3);
+  for (std::vector<float>* a : {&cpu.p, &cpu.m, &cpu.v, &cpu.vmax}) {
+    for (std::size_t i = 0; i < n; ++i) {
+      if (rng() % 4 == 0) (*a)[i] = f32_from_bits(kSpecial[rng() % 9]);
+    }
+  }
+  for (std::size_t i = 0; i < n; ++i) {
+    if (rng() % 4 == 0) cpu.g[i] = kSpecialBF16[rng() % 5];
+  }
+  // Mapped pinned copies of the same inputs, in this order: p m v vmax (float32), g out (bfloat16).
+  const void* inputs[] = {cpu.p.data(), cpu.m.data(), cpu.v.data(), cpu.vmax.data(), cpu.g.data(), cpu.out.data()};
+  std::vector<void*> host, dev;
+  for (int i = 0; i < 6; ++i) {
+    const std::size_t bytes = n * (i < 4 ? 4 : 2);
+    host.push_back(rt::host_alloc(bytes, rt::kHostPortable | rt::kHostMapped));
+    std::memcpy(host.back(), inputs[i], bytes);
+    dev.push_back(rt::host_device_pointer(host.back()));
+  }
+  const optim::AdamWArrays a = cpu.arrays(static_cast<float*>(dev[0]), dev[4], static_cast<float*>(dev[1]),
+                                          static_cast<float*>(dev[2]), static_cast<float*>(dev[3]), dev[5]);
+  rt::Stream stream(0);
+  gpu::launch_adamw(a, scalars(3), n, stream.handle(), 0);
+  stream.synchronize();
+  optim::adamw_cpu(cpu.arrays(cpu.p.data(), cpu.g.data(), cpu.m.data(), cpu.v.data(), cpu.vmax.data(),
+                              cpu.out.data()), scalars(3), 0, n);
+  // inputs[] are the CPU's own arrays, updated in place: its results now.
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(0, std::memcmp(host[i], inputs[i], n * 4)) << "array " << i;
+  EXPECT_EQ(0, std::memcmp(host[5], cpu.out.data(), n * 2)) << "param_out";
+  for (void* ptr : host) rt::host_free(ptr);
 }
 
 }  // namespace

@@ -46,8 +46,8 @@ std::uint16_t reference_f32_to_bf16(float x) {
 __attribute__((target("f16c"))) std::uint16_t hardware_f32_to_f16(float x) {
   return static_cast<std::uint16_t>(_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT));
 }
-// (cpu_isa.h: the AVX2 build runs only where the CPU has F16C too.)
-const bool kHardwareF16 = cpu::best_isa() == cpu::Isa::kAvx2;
+// (cpu_isa.h: the AVX2 and AVX-512 builds run only where the CPU has F16C too.)
+const bool kHardwareF16 = cpu::best_isa() >= cpu::Isa::kAvx2;
 #else
 std::uint16_t hardware_f32_to_f16(float) { return 0; }
 const bool kHardwareF16 = false;

@@ -8,8 +8,8 @@ CPU capabilities, so nothing here is bit for bit against torch):
 - against torch.optim.AdamW: torch's own tolerances (torch.testing.assert_close
   defaults, what test_optim uses between its for-loop, foreach and fused
   implementations);
-- bit identity where hipferry owns both sides: the vectorized build against
-  the baseline build (HIPFERRY_CPU_ISA=baseline, in a subprocess), the GPU
+- bit identity where hipferry owns both sides: the vectorized builds against
+  the baseline build (HIPFERRY_CPU_ISA=baseline / avx2 / avx512, in subprocesses), the GPU
   kernel against the CPU loop (tests/cpp/adamw_kernel_test.cpp);
 - the float64 model, a bound in ulps per step: tests/cpp/adamw_cpu_test.cpp."""
 import functools
@@ -155,24 +155,45 @@ for step in range(1, 31):
     _C._adamw_step_(master, g16, m2, v2, None, p16, step, 1e-3, 0.8, 0.99, 1e-6, 0.0, False, False)
 h = torch.empty(n, dtype=torch.float16)
 hipferry.copy_cast_(h, p)
-torch.save(dict(isa=_C.cpu_isa(), out=[p, m, v, vmax, master, m2, v2, p16, h]), sys.argv[1])
+# NaNs of both signs, quiet and signalling, with assorted payloads, and infinities in every array
+# (Note [one NaN]: every NaN the step writes is 0x7fc00000, in every build).
+special = torch.tensor([0x7fc00000, 0xffc00000, 0x7fc00001, 0xffffffff, 0x7f800001, 0xff800123, 0x7f800000,
+                        0xff800000, 0], dtype=torch.int64).to(torch.int32).view(torch.float32)
+special16 = torch.tensor([0x7fc0, 0xffc1, 0x7f81, 0xff80, 0x7f80], dtype=torch.int32).to(torch.int16)
+def salted(t, table):
+    t = t.clone()
+    at = torch.randint(0, 4, t.shape).eq(0)
+    t.view(table.dtype)[at] = table[torch.randint(0, len(table), (int(at.sum()),))]
+    return t
+nan_out = [salted(t, special) for t in (p, m, v, vmax)] + [torch.empty(n, dtype=torch.bfloat16)]
+nan_grad = salted(torch.randn(n).bfloat16(), special16.view(torch.bfloat16))
+_C._adamw_step_(nan_out[0], nan_grad, nan_out[1], nan_out[2], nan_out[3], nan_out[4], 31, 1e-2, 0.9, 0.999, 1e-8,
+                0.05, True, False)
+_C._adamw_step_(master, salted(g, special), m2, v2, None, p16, 31, 1e-3, 0.8, 0.99, 1e-6, 0.0, False, True)
+torch.save(dict(isa=_C.cpu_isa(), out=[p, m, v, vmax, master, m2, v2, p16, h] + nan_out), sys.argv[1])
 """
+_ISAS = ("baseline", "avx2", "avx512")
 
 
-def test_vectorized_and_baseline_builds_give_the_same_bits(tmp_path):
+def test_every_build_gives_the_baseline_bits_nans_included(tmp_path):
     """The same AdamW trajectory (float32 with amsgrad and maximize; bf16 params with a float32
-    master) and float16 conversion with the CPU loops forced to their baseline build and with the
-    build this CPU picks: bit-identical (hipferry owns both sides; no FMA in the element code)."""
+    master), float16 conversion, and a step over NaNs and infinities in every array, with the CPU
+    loops forced to each build this CPU runs (baseline, avx2, avx512): bit-identical (hipferry owns
+    every side; no FMA in the element code, one canonical NaN)."""
+    best = hipferry.build_info()["cpu_isa_best"]
     results = {}
-    for isa in ("baseline", "auto"):
+    for isa in _ISAS[:_ISAS.index(best) + 1]:
         out = tmp_path / f"{isa}.pt"
         env = dict(os.environ, HIPFERRY_CPU_ISA=isa)
         subprocess.run([sys.executable, "-c", _TRAJECTORY, str(out)], env=env, check=True, timeout=120)
         results[isa] = torch.load(out)
-    assert results["baseline"]["isa"] == "baseline"
-    assert results["auto"]["isa"] == hipferry.build_info()["cpu_isa_best"]
-    for i, (a, b) in enumerate(zip(results["baseline"]["out"], results["auto"]["out"])):
-        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"output {i} differs between builds"
+        assert results[isa]["isa"] == isa
+    nans = results["baseline"]["out"][9:13]
+    found = torch.cat([t.view(torch.int32)[t.isnan()] for t in nans])
+    assert len(found) > 1000 and found.eq(0x7fc00000).all(), "every NaN written is the canonical one"
+    for isa, result in results.items():
+        for i, (a, b) in enumerate(zip(results["baseline"]["out"], result["out"])):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"output {i}: {isa} != baseline"
 
 
 def test_a_bad_cpu_isa_fails_at_import_in_one_sentence():
@@ -180,4 +201,4 @@ def test_a_bad_cpu_isa_fails_at_import_in_one_sentence():
     r = subprocess.run([sys.executable, "-c", "import hipferry"], env=env, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode != 0
-    assert "HIPFERRY_CPU_ISA must be auto, baseline or avx2, got 'avx9000'" in r.stderr
+    assert "HIPFERRY_CPU_ISA must be auto, baseline, avx2 or avx512, got 'avx9000'" in r.stderr

@@ -143,7 +143,7 @@ def call_scheduling_bindings():
 def call_platform_bindings():
     info = _C.build_info()
     assert info["tensor_bridge"] in ("pyobject shim", "torch 2.13 THPVariable", "stash op")
-    assert _C.cpu_isa() in ("avx2", "baseline")
+    assert _C.cpu_isa() in ("avx512", "avx2", "baseline")
     assert _C.device_count() >= 0 and _C.numa_nodes()
     assert _C.numa_device_nodes([], "/sys") == []
     gpu_or_runtime_error(lambda: _C.device_info(0))

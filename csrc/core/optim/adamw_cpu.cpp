@@ -3,9 +3,10 @@
 #include "csrc/core/cpu/cpu_isa.h"
 #include "csrc/core/dispatch.h"
 
-// An AVX2 build of the loop (8 elements per instruction), picked at run time
-// by cpu::active_isa(); the baseline build stays correct everywhere and gives
-// the same bits (adamw_update has no FMA). Done by hand (a `target` wrapper
+// AVX2 and AVX-512 builds of the loop (8 and 16 elements per instruction),
+// picked at run time by cpu::active_isa(); the baseline build stays correct
+// everywhere and every build gives the same bits (adamw_update has no FMA and
+// writes one canonical NaN). Done by hand (a `target` wrapper
 // around one always-inline body) rather than with GCC's target_clones: Clang,
 // the host compiler of ROCm builds, cannot clone templates.
 
@@ -52,14 +53,25 @@ template <class Grad, class Out, bool kAmsgrad, int kWriteOut, bool kFrom>
 
 #ifdef HIPFERRY_HAVE_AVX2_BUILD
 template <class Grad, class Out, bool kAmsgrad, int kWriteOut, bool kFrom>
-HIPFERRY_AVX2_TARGET void adamw_loop_avx2(const AdamWArrays& a, const AdamWScalars& s,
-                                                          std::int64_t begin, std::int64_t end) {
+HIPFERRY_AVX2_TARGET void adamw_loop_avx2(const AdamWArrays& a, const AdamWScalars& s, std::int64_t begin,
+                                          std::int64_t end) {
+  adamw_body<Grad, Out, kAmsgrad, kWriteOut, kFrom>(a, s, begin, end);
+}
+#endif
+
+#ifdef HIPFERRY_HAVE_AVX512_BUILD
+template <class Grad, class Out, bool kAmsgrad, int kWriteOut, bool kFrom>
+HIPFERRY_AVX512_TARGET void adamw_loop_avx512(const AdamWArrays& a, const AdamWScalars& s, std::int64_t begin,
+                                              std::int64_t end) {
   adamw_body<Grad, Out, kAmsgrad, kWriteOut, kFrom>(a, s, begin, end);
 }
 #endif
 
 template <class Grad, class Out, bool kAmsgrad, int kWriteOut, bool kFrom>
 void adamw_loop(cpu::Isa isa, const AdamWArrays& a, const AdamWScalars& s, std::int64_t begin, std::int64_t end) {
+#ifdef HIPFERRY_HAVE_AVX512_BUILD
+  if (isa == cpu::Isa::kAvx512) return adamw_loop_avx512<Grad, Out, kAmsgrad, kWriteOut, kFrom>(a, s, begin, end);
+#endif
 #ifdef HIPFERRY_HAVE_AVX2_BUILD
   if (isa == cpu::Isa::kAvx2) return adamw_loop_avx2<Grad, Out, kAmsgrad, kWriteOut, kFrom>(a, s, begin, end);
 #endif
