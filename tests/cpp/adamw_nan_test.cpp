@@ -119,7 +119,9 @@ std::size_t expect_canonical_nans(const NanCase& c, ElementType out_type, bool a
   if (out_type != ElementType::kFloat32) {
     const std::uint16_t want = out_type == ElementType::kBFloat16 ? 0x7fc0 : 0x7e00;
     for (std::size_t i = 0; i < c.n; ++i) {
-      if (is_nan_bits(f32_as_bits(c.p[i]))) EXPECT_EQ(c.out[i], want) << i;
+      if (is_nan_bits(f32_as_bits(c.p[i]))) {
+        EXPECT_EQ(c.out[i], want) << i;
+      }
     }
   }
   return nans;
