@@ -255,11 +255,11 @@ requires_gloo = pytest.mark.skipif(not torch.distributed.is_available() or not t
                                    reason="torch.distributed with the gloo backend is not available in this torch")
 
 
-def check_ranks_against_the_plain_run(tmp_path, started_steps):
-    """Each rank's overlapped run equals its plain run bit for bit; every step started
-    `started_steps` speculations per parameter, kept where clipping left the reduced gradient,
-    redone where it fired."""
+def ranks_equal_to_the_plain_run(tmp_path) -> list:
+    """Asserts that each rank's overlapped run equals its plain run bit for bit (norms,
+    parameters, state); returns each rank's (plain, overlapped) records."""
     import distributed_helpers as dh
+    out = []
     for rank in range(dh.WORLD_SIZE):
         runs = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
         plain, overlapped = runs["None"], runs["backward"]
@@ -268,6 +268,16 @@ def check_ranks_against_the_plain_run(tmp_path, started_steps):
             assert torch.equal(overlapped["params"][name], want), f"rank {rank}: {name}"
             for k, t in plain["state"][name].items():
                 assert torch.equal(overlapped["state"][name][k], t), f"rank {rank}: {name} {k}"
+        out.append((plain, overlapped))
+    return out
+
+
+def check_ranks_against_the_plain_run(tmp_path, started_steps):
+    """Each rank's overlapped run equals its plain run bit for bit; every step started
+    `started_steps` speculations per parameter, kept where clipping left the reduced gradient,
+    redone where it fired."""
+    import distributed_helpers as dh
+    for plain, overlapped in ranks_equal_to_the_plain_run(tmp_path):
         s = overlapped["stats"]
         n_params = len(plain["params"])
         fired = sum(norm > dh.MAX_NORM for norm in plain["norms"])

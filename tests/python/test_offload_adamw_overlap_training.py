@@ -14,7 +14,8 @@ import hipferry
 from hipferry.optim import OffloadAdamW
 from offload_adamw_helpers import CpuRemoteOffloadAdamW
 from overlap_twins import Twins, backward_then
-from test_offload_adamw_overlap import FIRES, batches, loss_of, make_model, requires_gloo
+from test_offload_adamw_overlap import (FIRES, batches, loss_of, make_model, ranks_equal_to_the_plain_run,
+                                       requires_gloo)
 from test_offload_adamw_overlap_promise import FailingStore
 
 REMOTE = pytest.mark.parametrize("remote", [False, True], ids=["cpu", "cpu-remote"])
@@ -110,14 +111,7 @@ def test_parameters_that_are_views_of_one_buffer_speculate_and_commit(remote):
 def test_ddp_through_the_gpu_parameters_path_speculates_from_the_reduced_gradients(tmp_path):
     import distributed_helpers as dh
     dh.spawn(dh.ddp_overlap_worker, dh.free_port(), str(tmp_path), True)
-    for rank in range(dh.WORLD_SIZE):
-        runs = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
-        plain, overlapped = runs["None"], runs["backward"]
-        assert plain["norms"] == overlapped["norms"]
-        for name, want in plain["params"].items():
-            assert torch.equal(overlapped["params"][name], want), f"rank {rank}: {name}"
-            for k, v in plain["state"][name].items():
-                assert torch.equal(overlapped["state"][name][k], v), f"rank {rank}: {name} {k}"
+    for plain, overlapped in ranks_equal_to_the_plain_run(tmp_path):
         n = len(plain["params"])
         fired = sum(norm > dh.MAX_NORM for norm in plain["norms"][1:])  # (step 0 makes the host copies)
         assert 0 < fired < dh.STEPS - 1, plain["norms"]
