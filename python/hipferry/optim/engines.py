@@ -44,7 +44,7 @@ class InPlaceEngine:
 
     def step(self, items: List[StepItem]) -> None:
         for it in items:
-            with span(f"step {tuple(it.p.shape)}", TRACK_STEP, it.p.nbytes):
+            with span("step", TRACK_STEP, it.p):
                 self._step_one(it)
 
     def _step_one(self, it: StepItem) -> None:
@@ -84,7 +84,7 @@ class HostForGpuEngine:
 
     def step(self, items: List[StepItem]) -> None:
         for it in items:
-            with span(f"host step {tuple(it.p.shape)}", TRACK_STEP, it.p.nbytes):
+            with span("host step", TRACK_STEP, it.p):
                 self._step_one(it)
         self.grad_copies.mark_back([it.p for it in items])
 
@@ -108,7 +108,7 @@ class HostForGpuEngine:
             self.store.step(it.hyper, master if master is not None else slot.host_param, grad, st,
                             it.hyper["amsgrad"], slot.host_out if master is not None else None, it.step)
         src = slot.host_out if master is not None else slot.host_param
-        with span(f"copy back {tuple(lp.shape)}", TRACK_COPIES_BACK, src.nbytes):
+        with span("copy back", TRACK_COPIES_BACK, src):
             self.grad_copies.send_back(real(lp), src)
         slot.seen = param_key(lp)
 
@@ -133,7 +133,8 @@ class StreamedEngine:
         for it in items:
             runs.setdefault((it.p.device.index, it.step, tuple(sorted(it.hyper.items()))), []).append(it)
         for (device, step, _), run in runs.items():
-            with span(f"streamed step of {len(run)} parameters", TRACK_STEP, sum(it.p.nbytes for it in run)):
+            with span(f"streamed step of {len(run)} parameters", TRACK_STEP,
+                      nbytes=sum(it.p.nbytes for it in run)):
                 self._stream(device, step, run)
         self.synchronize()
 

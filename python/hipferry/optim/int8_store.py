@@ -129,8 +129,8 @@ def check_saved(st: dict, lp: torch.Tensor, where: str) -> None:
                 absmax.numel() != blocks(lp.numel()):
             raise ValueError(f"OffloadAdamW.load_state_dict: {where}: '{k}_absmax' must be a float32 tensor of "
                              f"{blocks(lp.numel())} scales (one per block of {BLOCK}), got "
-                             f"{getattr(absmax, 'dtype', None)} with {getattr(absmax, 'numel', lambda: None)()} "
-                             "elements")
+                             f"{getattr(absmax, 'dtype', None)} with "
+                             f"{absmax.numel() if isinstance(absmax, torch.Tensor) else None} elements")
 
 
 def quantize_into(values: torch.Tensor, codes: torch.Tensor, absmax: torch.Tensor, key: str) -> None:

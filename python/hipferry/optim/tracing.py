@@ -9,10 +9,13 @@ TRACK_COPIES_BACK = "OffloadAdamW copies back"
 
 
 class span:
-    __slots__ = ("name", "track", "nbytes", "start")
+    """A span named `what` and the shape of `tensor` (or `what` alone), counting `tensor`'s bytes
+    (or `nbytes`). The name and the bytes are worked out only while a trace records: a span
+    wraps every parameter's step."""
+    __slots__ = ("what", "track", "tensor", "nbytes", "start")
 
-    def __init__(self, name: str, track: str, nbytes: int = 0):
-        self.name, self.track, self.nbytes, self.start = name, track, nbytes, None
+    def __init__(self, what: str, track: str, tensor=None, nbytes: int = 0):
+        self.what, self.track, self.tensor, self.nbytes, self.start = what, track, tensor, nbytes, None
 
     def __enter__(self) -> "span":
         if _C.trace_active():
@@ -21,5 +24,8 @@ class span:
 
     def __exit__(self, *exc) -> bool:
         if self.start is not None:
-            _C.trace_add(self.name, "optim", self.track, self.start, _C.trace_now_ns(), self.nbytes)
+            t = self.tensor
+            name = self.what if t is None else f"{self.what} {tuple(t.shape)}"
+            _C.trace_add(name, "optim", self.track, self.start, _C.trace_now_ns(),
+                         self.nbytes if t is None else t.nbytes)
         return False
