@@ -46,6 +46,7 @@ pybind11_add_module(_C MODULE
   csrc/torch/transfer_bindings.cpp
   csrc/torch/adamw_step.cpp
   csrc/torch/adamw8bit_step.cpp
+  csrc/torch/disk_bindings.cpp
   csrc/torch/adamw_streamer.cpp
   csrc/torch/layer_copier.cpp
   csrc/torch/in_flight_bindings.cpp

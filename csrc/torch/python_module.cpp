@@ -94,6 +94,7 @@ void bind_pool_fast_path(py::module_& m);  // pool_fast_path.cpp
 void bind_transfers(py::module_& m);    // transfer_bindings.cpp
 void bind_adamw(py::module_& m);        // adamw_step.cpp
 void bind_adamw8bit(py::module_& m);    // adamw8bit_step.cpp
+void bind_disk(py::module_& m);         // disk_bindings.cpp
 void bind_adamw_streamer(py::module_& m);  // adamw_streamer.cpp
 void bind_layer_copier(py::module_& m);    // layer_copier.cpp
 void bind_in_flight_window(py::module_& m);  // in_flight_bindings.cpp
@@ -121,6 +122,7 @@ PYBIND11_MODULE(_C, m) {
   bind_transfers(m);
   bind_adamw(m);
   bind_adamw8bit(m);
+  bind_disk(m);
   bind_adamw_streamer(m);
   bind_layer_copier(m);
   bind_in_flight_window(m);
