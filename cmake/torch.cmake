@@ -58,7 +58,7 @@ if(NOT HIPFERRY_RESOLVED_TARGET STREQUAL "cpu")
 endif()
 # Test and benchmark hooks (hipferry._C._testing): only in builds made for the tests.
 if(HIPFERRY_TEST_HOOKS)
-  target_sources(_C PRIVATE csrc/testing/test_hooks.cpp)
+  target_sources(_C PRIVATE csrc/testing/test_hooks.cpp csrc/testing/disk_faults.cpp)
   target_compile_definitions(_C PRIVATE HIPFERRY_TEST_HOOKS)
 endif()
 # C++17: what the stable headers need, on every torch release (ATen's own

@@ -84,8 +84,11 @@ void raise_error(const std::string& kind, const std::string& message) {
 
 }  // namespace
 
+void bind_disk_faults(py::module_& t);  // disk_faults.cpp
+
 void bind_test_hooks(py::module_& m) {
   py::module_ t = m.def_submodule("_testing", "Test and benchmark hooks (built with the tests only).");
+  bind_disk_faults(t);
   t.def("transfer_worker_sleep", [](double ms) { translate_errors([&] { transfer_worker_sleep(ms); }); },
         py::arg("ms"));
   // GIL released, as in the transfer bindings: the OutOfMemory clause must take it back.

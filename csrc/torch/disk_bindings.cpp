@@ -17,6 +17,7 @@
 #include "csrc/core/disk/state_file.h"
 #include "csrc/core/disk/state_pass.h"
 #include "csrc/core/errors.h"
+#include "csrc/torch/disk_bindings.h"
 #include "csrc/torch/python_errors.h"
 #include "csrc/torch/stable.h"
 #include "csrc/torch/tensor_bridge.h"
@@ -25,6 +26,8 @@ namespace py = pybind11;
 
 namespace hipferry {
 namespace {
+
+DiskBackendWrapper g_backend_wrapper = nullptr;
 
 constexpr const char* kFn = "hipferry DiskIo.run_pass: ";
 
@@ -57,6 +60,7 @@ class DiskIo {
     HF_CHECK_VALUE(request_bytes >= 4096 && request_bytes % 4096 == 0, "DiskIo: request_bytes must be a multiple "
                    "of 4096, got ", request_bytes);
     backend_ = disk::make_backend(backend, depth, &note_);
+    if (g_backend_wrapper != nullptr) backend_ = g_backend_wrapper(std::move(backend_));
     queue_ = std::make_unique<disk::IoQueue>(*backend_, request_bytes);
   }
   ~DiskIo() { close(); }
@@ -201,6 +205,8 @@ void DiskIo::run_pass(const std::string& kind, const std::string& format, bool a
 }
 
 }  // namespace
+
+void set_disk_backend_wrapper(DiskBackendWrapper wrapper) { g_backend_wrapper = wrapper; }
 
 void bind_disk(py::module_& m) {
   static py::exception<disk::ChecksumMismatch> checksum_error(m, "ChecksumError", PyExc_RuntimeError);

@@ -1,5 +1,6 @@
 """Optimizers whose state lives in host memory (docs/offload-adamw-plan.md)."""
 from .calibration import calibrate
+from .disk.options import DiskOptions
 from .offload_adamw import OffloadAdamW
 
-__all__ = ["OffloadAdamW", "calibrate"]
+__all__ = ["OffloadAdamW", "DiskOptions", "calibrate"]

@@ -29,7 +29,11 @@ from .layout import memory_flat, real
 from .overlap import NO_OVERLAP_STATS, BackwardOverlap
 from .persistence import StatePersistence
 from .slots import Slot, param_key
+from .stats import memory_stats
 from .state import local, torch_group_defaults
+from .disk.engine import DiskEngine
+from .disk.options import DiskOptions, check_disk_options
+from .disk.store import DiskStore
 from .int8_store import Int8Store
 from .state_store import Float32Store
 from .write_tracking import reread_if_written
@@ -50,7 +54,8 @@ class OffloadAdamW(StatePersistence, torch.optim.Optimizer):
                  fused: Optional[bool] = None, step_on: str = "auto", pool: Optional[PinnedPool] = None,
                  min_offload_numel: int = 65536, chunk_numel: int = 1 << 21, ring_slots: int = 3,
                  skip_nonfinite: bool = False, overlap: Optional[str] = None,
-                 state_dtype: torch.dtype = torch.float32, min_8bit_numel: int = 4096):
+                 state_dtype: torch.dtype = torch.float32, min_8bit_numel: int = 4096,
+                 state_dir: Optional[str] = None, disk: Optional[DiskOptions] = None):
         defaults = dict(torch_group_defaults(), lr=lr, betas=tuple(betas) if isinstance(betas, list) else betas,
                         eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize, foreach=foreach,
                         capturable=capturable, differentiable=differentiable, fused=fused)
@@ -62,6 +67,7 @@ class OffloadAdamW(StatePersistence, torch.optim.Optimizer):
         check_options(skip_nonfinite=skip_nonfinite, overlap=overlap, step_on=step_on, state_dtype=state_dtype,
                       pool=pool, min_offload_numel=min_offload_numel, chunk_numel=chunk_numel, ring_slots=ring_slots,
                       min_8bit_numel=min_8bit_numel)
+        check_disk_options(state_dir, disk, overlap, step_on)
         if isinstance(params, (set, frozenset)):
             raise TypeError(unordered_params_message("params"))
         # Set before super().__init__, which calls add_param_group.
@@ -69,10 +75,14 @@ class OffloadAdamW(StatePersistence, torch.optim.Optimizer):
                               ring_slots=ring_slots, skip_nonfinite=skip_nonfinite, overlap=overlap,
                               state_dtype=state_dtype, min_8bit_numel=min_8bit_numel)
         self._pool = pool or default_pool()
-        self._store = Int8Store(self._pool, min_8bit_numel) if state_dtype == torch.uint8 else Float32Store(self._pool)
+        ram = Int8Store(self._pool, min_8bit_numel) if state_dtype == torch.uint8 else Float32Store(self._pool)
         self._grad_copies = GradCopies(self._pool)
-        self._in_place = InPlaceEngine(self._store)
-        self._host_for_gpu = HostForGpuEngine(self._store, self._grad_copies)
+        self._in_place = InPlaceEngine(ram)
+        self._host_for_gpu = HostForGpuEngine(ram, self._grad_copies)
+        # state_dir: parameters the disk store can hold keep their state in files (disk/).
+        self._store = ram if state_dir is None else DiskStore(state_dir, disk or DiskOptions(), ram,
+                                                              state_dtype == torch.uint8, min_8bit_numel, self._pool)
+        self._disk = None if state_dir is None else DiskEngine(self._store, self._grad_copies, self._pool)
         self._streamed = StreamedEngine(chunk_numel, ring_slots)
         # overlap="backward": parameters stepped on the CPU are stepped speculatively during
         # backward and committed or redone at step() (Note [speculative step]).
@@ -140,11 +150,12 @@ class OffloadAdamW(StatePersistence, torch.optim.Optimizer):
         gpu_params = [local(p) for g in self.param_groups for p in g["params"]
                       if p.device.type == "cuda" and self._slots[p].where == "host"]
         any_gpu = any(p.device.type == "cuda" for g in self.param_groups for p in g["params"])
-        requested = "cpu" if self._store.format == "uint8" and gpu_params else self._settings["step_on"]
+        requested = "cpu" if self._store.format != "float32" and gpu_params else self._settings["step_on"]
         self.step_on, self.step_on_reason = choose_step_on(requested, gpu_params, any_gpu,
                                                            any(g["amsgrad"] for g in self.param_groups))
         if requested != self._settings["step_on"]:
-            self.step_on_reason = "8-bit state steps on the CPU (the GPU-streamed engine moves float32 state only)"
+            self.step_on_reason = f"{self._store.format} state steps on the CPU (the GPU-streamed engine moves " \
+                                  "float32 host state only)"
         log.info("OffloadAdamW: step_on=%s (%s)", self.step_on, self.step_on_reason)
         if before is not None and before != self.step_on:
             # The other engine updates float32 GPU parameters on the device without a
@@ -264,13 +275,16 @@ class OffloadAdamW(StatePersistence, torch.optim.Optimizer):
     def _run_engines(self, work: list, spec) -> None:
         """Counts the step of every parameter in `work`, commits its speculation where it
         holds, and hands it to its engine."""
-        in_place, streamed, host_gpu = [], [], []
+        in_place, streamed, host_gpu, on_disk = [], [], [], []
         hypers = {id(g): group_hyper(g) for g in self.param_groups}  # once per group, not per parameter
         for group, p in work:
             st, slot = self.state[p], self._slots[p]
             self._reread_if_written(p, slot)
             st["step"] += 1
             it = StepItem(p, st, slot, hypers[id(group)], int(st["step"].item()))
+            if "disk" in st:
+                on_disk.append(it)
+                continue
             remote_host = slot.where == "host" and self._is_remote(p) and param_dtype(local(p)) != torch.float64
             if not remote_host:
                 in_place.append(it)
@@ -283,6 +297,13 @@ class OffloadAdamW(StatePersistence, torch.optim.Optimizer):
                     it.grad = real(self._grad_copies.host_grad(slot, local(p.grad)))
             if spec is not None and slot.where == "host":
                 it.committed = spec.try_commit(p, st, it.hyper, it.step, it.grad)
+        if on_disk:  # first: the step most likely to fail (I/O), and it changes nothing when it does
+            try:
+                self._disk.step(on_disk)
+            except BaseException:
+                for it in on_disk:
+                    it.st["step"] -= 1
+                raise
         self._in_place.step(in_place)
         if streamed:
             self._streamed.step(streamed)
@@ -322,6 +343,8 @@ class OffloadAdamW(StatePersistence, torch.optim.Optimizer):
             self._reread_if_written(p, slot)
 
     def _reread_if_written(self, p: torch.Tensor, slot: Slot) -> None:
+        if "disk" in self.state[p]:
+            return  # the disk step takes a write as it steps (DiskEngine: adopt)
         reread_if_written(local(p), self.state[p], slot, before=self.synchronize)
 
     # ------------------------------------------------------------ utilities
@@ -332,6 +355,8 @@ class OffloadAdamW(StatePersistence, torch.optim.Optimizer):
                 overlap.speculation.close()
             except Exception:  # interpreter shutdown
                 pass
+        if getattr(self, "_disk", None) is not None:
+            self._store.close()
         for handle in getattr(self, "_hooks", ()):
             try:
                 handle.remove()
@@ -363,18 +388,8 @@ class OffloadAdamW(StatePersistence, torch.optim.Optimizer):
                                       error_if_nonfinite, foreach)
 
     def memory_stats(self) -> dict:
-        host = device = grad_buffers = 0
-        for p, slot in self._slots.items():
-            nbytes = self._store.state_bytes(self.state[p])
-            on_host = slot.where == "host" and all(t.device.type == "cpu" for k, t in self.state[p].items()
-                                                   if k != "step")
-            host, device = (host + nbytes, device) if on_host else (host, device + nbytes)
-            for t in (slot.host_param, slot.host_out):
-                grad_buffers += t.nbytes if t is not None else 0
-        numel = sum(real(local(p)).numel() for p, slot in self._slots.items() if slot.where == "host")
-        return {"host_state_bytes": host, "device_state_bytes": device, "ring_bytes": self._streamed.ring_bytes,
-                "grad_buffer_bytes": grad_buffers, "state_format": self._store.format,
-                "host_bytes_per_param": host / numel if numel else 0.0}
+        """Host and device bytes of the state, buffers, format (stats.py); with state_dir, the disk's too."""
+        return memory_stats(self._slots, self.state, self._store, self._streamed.ring_bytes)
 
 
 def _weak_hook(opt: "OffloadAdamW") -> Callable[[torch.Tensor], None]:

@@ -9,6 +9,7 @@ import torch
 
 from ..pool import PinnedPool
 from .checks import TORCH_FLAG_DEFAULTS, check_loadable
+from .disk import persistence as disk
 from .int8_store import check_saved, restore_key
 from .layout import real
 from .slots import param_key
@@ -26,6 +27,13 @@ class StatePersistence:
         params = [p for g in self.param_groups for p in g["params"]]
         sd["state"] = {i: to_global_state(params[i], st) if isinstance(i, int) and i < len(params) else st
                        for i, st in sd["state"].items()}
+        if getattr(self, "_disk", None) is not None:  # file-backed tensors, verified first (disk/persistence.py)
+            disk.verify(self._store)
+            for i, st in sd["state"].items():
+                if isinstance(st, dict) and "disk" in st:
+                    st = dict(st, **disk.export_state(self._store, st["disk"], local(params[i])))
+                    st.pop("disk")
+                    sd["state"][i] = st
         return sd
 
     @torch.no_grad()
@@ -48,6 +56,9 @@ class StatePersistence:
             check_saved(saved, local(p), f"the state of parameter {i}")
         if self._overlap is not None:
             self._overlap.speculation.drop()  # its jobs read the state written below
+        if getattr(self, "_disk", None) is not None:  # written and committed first: a failure changes nothing
+            disk.load_states(self._store, [(p, by_param.get(p)) for g in self.param_groups for p in g["params"]
+                                           if "disk" in self.state[p]])
         groups = []
         for g, saved in zip(self.param_groups, copy.deepcopy(state_dict["param_groups"])):
             saved["params"] = g["params"]
@@ -74,6 +85,8 @@ class StatePersistence:
     def _restore_state(self, p: torch.Tensor, st: dict, saved: Optional[dict]) -> None:
         """Copies a saved state (or zeros, without one) into the state tensors of `p`."""
         for k, t in st.items():
+            if k == "disk":
+                continue  # (load_states wrote it)
             if k == "step":
                 t.fill_(float(saved["step"]) if saved is not None else 0.0)
             elif k.endswith("_absmax") or restore_key(st, k, saved):
@@ -89,6 +102,14 @@ class StatePersistence:
         if slot.host_param is not None:
             real(slot.host_param).copy_(real(local(p)))
 
+    def snapshot(self, folder: str) -> str:
+        """state_dir=...: copies the state as of the last step into `folder` (new or empty), a
+        folder to resume from (reflinks where the file system has them, else kernel copies)."""
+        if getattr(self, "_disk", None) is None:
+            raise ValueError("OffloadAdamW.snapshot: this optimizer keeps its state in memory (no state_dir); "
+                             "use torch.save(opt.state_dict(), path)")
+        return disk.snapshot(self._store, folder)
+
     def _fill_group_defaults(self) -> None:
         """What torch.optim.AdamW's __setstate__ fills into groups of older state dicts."""
         for group in self.param_groups:
@@ -100,6 +121,9 @@ class StatePersistence:
         plain tensors once pickled) and this optimizer's own settings. The pool
         is not pickled: an unpickled optimizer uses the default pool (a
         deepcopy shares the original's pool)."""
+        if getattr(self, "_disk", None) is not None:
+            raise TypeError("OffloadAdamW: an optimizer with its state on disk (state_dir=...) cannot be pickled or "
+                            "deep-copied; save opt.state_dict() or take opt.snapshot(folder)")
         self.synchronize()
         self._reread_written()
         return {"defaults": self.defaults, "state": self.state, "param_groups": self.param_groups,
