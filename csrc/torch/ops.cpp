@@ -13,8 +13,9 @@ STABLE_TORCH_LIBRARY(hipferry, m) {
   // A CPU tensor whose storage is a block of the pinned pool `pool` (an id
   // from hipferry._C.create_pinned_pool); the block returns when it dies.
   // for_device: the GPU whose copies will use it (its pages come from that
-  // GPU's NUMA node); -1: the current GPU.
-  m.def("pool_empty(int pool, int[] size, ScalarType dtype, int for_device=-1) -> Tensor");
+  // GPU's NUMA node); -1: the current GPU. alignment: the block starts at a
+  // multiple of it, 256 or 4096 (a page, whole pages: O_DIRECT's buffers).
+  m.def("pool_empty(int pool, int[] size, ScalarType dtype, int for_device=-1, int alignment=256) -> Tensor");
   // One fused AdamW step over one parameter's flat state (float32; grad and
   // param_out also bfloat16 / float16): in place, or (param_in and the *_in
   // state given) reading those and writing param and the state. adopt_out: param_out is

@@ -96,9 +96,12 @@ void destroy_pinned_pool(std::int64_t id) {
 // factory checks); a full pool is OutOfMemory (torch.OutOfMemoryError: the
 // op kernel below tags it for hipferry.ops, translate_errors maps it for the
 // transfer engine's callers).
-Tensor pool_empty(std::int64_t pool_id, const Shape& sizes, ScalarType dtype, std::int64_t for_device) {
+Tensor pool_empty(std::int64_t pool_id, const Shape& sizes, ScalarType dtype, std::int64_t for_device,
+                  std::int64_t alignment) {
   HF_CHECK(for_device >= -1 && for_device < (std::int64_t{1} << 16), "hipferry.PinnedPool.empty: for_device ",
            for_device, " is not a device index; expected -1 (the current GPU) or an index >= 0");
+  HF_CHECK(alignment == pool::kAlignment || alignment == pool::kPageAlignment, "hipferry.PinnedPool.empty: alignment ",
+           alignment, " is not supported; expected 256 (the default) or 4096 (a page, as O_DIRECT needs)");
   bool empty = false;
   for (std::size_t i = 0; i < sizes.size(); ++i) {
     HF_CHECK(sizes[i] >= 0, "hipferry.PinnedPool.empty: size has a negative dimension ", sizes[i],
@@ -126,7 +129,7 @@ Tensor pool_empty(std::int64_t pool_id, const Shape& sizes, ScalarType dtype, st
   if (device < 0 && !pool->options().device_nodes.empty() && rt::device_count() > 0) device = rt::current_device();
   pool::HostPool::Allocation block;
   try {
-    block = pool->allocate(nbytes, device);
+    block = pool->allocate(nbytes, device, static_cast<std::size_t>(alignment));
   } catch (const pool::PoolCapacityError& e) {
     HF_CHECK_OOM(false, e.what());
   } catch (const pool::PoolError& e) {
@@ -157,8 +160,9 @@ bool is_pool_tensor(const Tensor& t) {
 
 namespace {
 
-Tensor pool_empty_op(std::int64_t pool, std::vector<std::int64_t> size, ScalarType dtype, std::int64_t for_device) {
-  return tag_op_errors([&] { return pool_empty(pool, size, dtype, for_device); });
+Tensor pool_empty_op(std::int64_t pool, std::vector<std::int64_t> size, ScalarType dtype, std::int64_t for_device,
+                     std::int64_t alignment) {
+  return tag_op_errors([&] { return pool_empty(pool, size, dtype, for_device, alignment); });
 }
 
 }  // namespace

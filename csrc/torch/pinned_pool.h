@@ -30,8 +30,11 @@ void destroy_pinned_pool(std::int64_t id);
 // the block goes back when the storage dies (every view of it included).
 // `for_device`: the GPU whose copies will use it, for NUMA placement; -1: the
 // current GPU (when the pool places by device and there is one).
+// `alignment`: the storage starts at a multiple of it: 256 (every block) or
+// 4096 (a page, and the block is whole pages: O_DIRECT reads and writes).
 // Throws ValueError for bad arguments, OutOfMemory over the pool's capacity.
-Tensor pool_empty(std::int64_t pool_id, const Shape& sizes, ScalarType dtype, std::int64_t for_device = -1);
+Tensor pool_empty(std::int64_t pool_id, const Shape& sizes, ScalarType dtype, std::int64_t for_device = -1,
+                  std::int64_t alignment = 256);
 
 // If `t`'s data lies in a block of an open pool, notes that `stream` on
 // `device` uses it (deallocation then waits for that work). Returns false for

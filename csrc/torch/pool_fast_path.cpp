@@ -149,22 +149,26 @@ PyObject* python_call(F&& f) {
   return nullptr;
 }
 
-// pool_empty_fast(pool_id, size, dtype, for_device) -> Tensor | None
+// pool_empty_fast(pool_id, size, dtype, for_device[, alignment]) -> Tensor | None
 // `size` is PinnedPool.empty's *size tuple.
 PyObject* pool_empty_fast(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 4) {
-    PyErr_SetString(PyExc_TypeError, "hipferry._C.pool_empty_fast: expected (pool_id, size, dtype, for_device)");
+  if (nargs != 4 && nargs != 5) {
+    PyErr_SetString(PyExc_TypeError,
+                    "hipferry._C.pool_empty_fast: expected (pool_id, size, dtype, for_device[, alignment])");
     return nullptr;
   }
   std::int64_t pool_id = 0;
   Shape shape;
   ScalarType dtype = ScalarType::Undefined;
-  long long device = -1;
+  long long device = -1, alignment = pool::kAlignment;
   if (!pool_id_of(args[0], pool_id) || !plain_shape(args[1], shape) || !dtype_of(args[2], dtype) ||
-      is_quantized(dtype) || !(args[3] == Py_None || plain_int(args[3], 0, (1 << 16) - 1, device))) {
+      is_quantized(dtype) || !(args[3] == Py_None || plain_int(args[3], 0, (1 << 16) - 1, device)) ||
+      (nargs == 5 && !(plain_int(args[4], pool::kAlignment, pool::kPageAlignment, alignment) &&
+                       (alignment == pool::kAlignment || alignment == pool::kPageAlignment)))) {
     Py_RETURN_NONE;
   }
-  return python_call([&] { return tensor_to_python(pool_empty(pool_id, shape, dtype, device)).release().ptr(); });
+  return python_call(
+      [&] { return tensor_to_python(pool_empty(pool_id, shape, dtype, device, alignment)).release().ptr(); });
 }
 
 // pool_pin_fast(pool_id, tensor) -> Tensor | None: a copy of a plain dense
@@ -208,7 +212,7 @@ PyObject* pool_pin_fast(PyObject* /*module*/, PyObject* const* args, Py_ssize_t 
 PyMethodDef fast_path_methods[] = {
     {"pool_empty_fast", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&pool_empty_fast)),
      METH_FASTCALL,
-     "pool_empty_fast(pool_id, size, dtype, for_device) -> Tensor | None (Note [pool fast path])"},
+     "pool_empty_fast(pool_id, size, dtype, for_device[, alignment]) -> Tensor | None (Note [pool fast path])"},
     {"pool_pin_fast", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&pool_pin_fast)), METH_FASTCALL,
      "pool_pin_fast(pool_id, tensor) -> Tensor | None (Note [pool fast path])"},
 };

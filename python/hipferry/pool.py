@@ -32,6 +32,7 @@ _PROVIDERS = ("auto", "host_alloc", "register", "pageable")
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
           "t": 1000**4, "tb": 1000**4, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _MIN_CAPACITY = 256  # one block
+_ALIGNMENTS = (256, 4096)  # every block's; a page's, for O_DIRECT (size_classes.h: kAlignment, kPageAlignment)
 _RESERVE_GRANULE = 64 << 10  # the reserve is one segment, rounded up to this (size_classes.h: kOwnSegmentGranule)
 _MAX_DIM = 2**63 - 1
 _UNLIMITED = 2**64 - 1
@@ -165,7 +166,8 @@ class PinnedPool:
                                          *([] if _growth_limit is None else [float(_growth_limit)]))
 
     # --- allocation -----------------------------------------------------------------
-    def empty(self, *size: Any, dtype: torch.dtype = torch.float32, for_device: Any = None) -> torch.Tensor:
+    def empty(self, *size: Any, dtype: torch.dtype = torch.float32, for_device: Any = None,
+              alignment: int = 256) -> torch.Tensor:
         """A contiguous CPU tensor whose storage lives in the pool.
 
         The memory goes back to the pool when the tensor and every view of it
@@ -173,24 +175,30 @@ class PinnedPool:
         hipferry's own copies) has completed. ``for_device`` (an index,
         ``"cuda:1"`` or a ``torch.device``; default: the current GPU) is the
         GPU whose copies will use it: its pages come from that GPU's NUMA node
-        where the pool places by device (``numa_node``).
+        where the pool places by device (``numa_node``). ``alignment``: the
+        storage starts at a multiple of it, 256 (every block) or 4096: a page,
+        and a block of whole pages, as ``O_DIRECT`` reads and writes need (the
+        same buffer then goes to the GPU without another copy).
         """
         if eager_dispatch():  # Note [pool fast path] (csrc/torch/pool_fast_path.cpp): None if not plain
-            t = _C.pool_empty_fast(self._id, size, dtype, for_device)
+            t = _C.pool_empty_fast(self._id, size, dtype, for_device, alignment)
             if t is not None:
                 return t
-        return self._empty_checked(size, dtype, for_device)
+        return self._empty_checked(size, dtype, for_device, alignment)
 
-    def _empty_checked(self, size: Tuple[Any, ...], dtype: Any, for_device: Any) -> torch.Tensor:
+    def _empty_checked(self, size: Tuple[Any, ...], dtype: Any, for_device: Any, alignment: Any = 256) -> torch.Tensor:
         """``empty`` through its checks and the op (tracing, dispatch modes,
         arguments the fast path leaves alone: each error is raised here)."""
         shape = _check_shape(size)
         device = _device_index(for_device, "hipferry.PinnedPool.empty")
+        if type(alignment) is not int or alignment not in _ALIGNMENTS:  # (True == 1, 4096.0 == 4096: refused too)
+            raise ValueError(f"hipferry.PinnedPool.empty: alignment must be 256 (the default) or 4096 (a page, "
+                             f"as O_DIRECT needs), got {alignment!r}")
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"hipferry.PinnedPool.empty: dtype must be a torch.dtype, got {type(dtype).__name__}")
         if dtype in (torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4):
             raise ValueError(f"hipferry.PinnedPool.empty: dtype {dtype} is quantized; expected a plain dtype")
-        return call_op(torch.ops.hipferry.pool_empty.default, self._open_id("empty"), shape, dtype, device)
+        return call_op(torch.ops.hipferry.pool_empty.default, self._open_id("empty"), shape, dtype, device, alignment)
 
     def empty_like(self, t: torch.Tensor) -> torch.Tensor:
         """``empty(t.shape, dtype=t.dtype)``."""
@@ -491,5 +499,6 @@ def _device_index(device: Any, where: str) -> int:
 
 
 @torch.library.register_fake("hipferry::pool_empty")
-def _pool_empty_fake(pool: int, size: Sequence[int], dtype: torch.dtype, for_device: int = -1) -> torch.Tensor:
+def _pool_empty_fake(pool: int, size: Sequence[int], dtype: torch.dtype, for_device: int = -1,
+                     alignment: int = 256) -> torch.Tensor:
     return torch.empty(size, dtype=dtype, device="cpu")

@@ -16,6 +16,7 @@
 #include <set>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "csrc/core/host_pool/host_memory_provider.h"
 
@@ -78,6 +79,20 @@ class AddressOnlyProvider : public HostMemoryProvider {
   }
 
   std::string describe() const override { return std::string("address-only provider, ") + to_string(order_); }
+
+  // The live segment holding `address` as {host, bytes}; {0, 0} if none.
+  std::pair<std::uintptr_t, std::size_t> segment_of(std::uintptr_t address) const {
+    auto it = live_.upper_bound(address);
+    if (it == live_.begin()) return {0, 0};
+    --it;
+    if (address >= it->first + it->second) return {0, 0};
+    return {it->first, it->second};
+  }
+  std::size_t live_bytes() const {
+    std::size_t bytes = 0;
+    for (const auto& [host, n] : live_) bytes += n;
+    return bytes;
+  }
 
  private:
   static constexpr std::uintptr_t kBase = std::uintptr_t{1} << 44;

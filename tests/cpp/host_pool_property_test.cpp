@@ -36,6 +36,7 @@ struct Variant {
   std::size_t max_cached_bytes;
   std::size_t reserve_bytes;
   bool numa = false;  // requests name devices 0 and 1 (nodes 0, 1) or none (node 2)
+  bool page_aligned = false;  // a third of the requests ask for kPageAlignment
 };
 
 // Small segments and a 64 MiB cap, so requests of 1 B..64 MiB hit every kind
@@ -64,6 +65,9 @@ std::size_t draw_size(std::mt19937_64& rng, const PoolOptions& o) {
                                  kAlignment - 1,
                                  kAlignment,
                                  kAlignment + 1,
+                                 kPageAlignment - 1,
+                                 kPageAlignment,
+                                 kPageAlignment + 1,
                                  o.small_max - 1,
                                  o.small_max,
                                  o.small_max + 1,
@@ -149,6 +153,9 @@ void run_sequence(std::uint64_t seed, const Variant& variant, int ops) {
       what = "allocate";
       const std::size_t bytes = draw_size(rng, o);
       const int device = variant.numa ? static_cast<int>(rng() % 4) - 1 : -1;  // 2: beyond device_nodes
+      const std::size_t alignment = variant.page_aligned && rng() % 3 == 0 ? kPageAlignment : kAlignment;
+      // A page-aligned block is whole pages (Note [hipferry pinned pool]).
+      const std::size_t cls = size_class(round_up(bytes, alignment), o.own_segment_threshold);
       HostPool::Allocation a;
       // A pool that polls parked blocks in a loop instead of waiting for them
       // would hang here; the fake streams then finish all work and the
@@ -156,14 +163,14 @@ void run_sequence(std::uint64_t seed, const Variant& variant, int ops) {
       const std::uint64_t queries_before = streams->queries();
       streams->complete_all_after_queries(100000);
       try {
-        a = pool->allocate(bytes, device);
+        a = pool->allocate(bytes, device, alignment);
       } catch (const PoolCapacityError&) {
         ++capacity_errors;
         // Only after everything was tried: parked blocks waited for, cached
         // segments given back, and no segment of the block's own size fits.
         const PoolStats s = pool->stats();
         ASSERT_EQ(s.waiting_blocks, 0u) << at() << ": gave up with blocks still parked";
-        ASSERT_GT(size_class(bytes, o.own_segment_threshold), o.capacity - s.reserved_bytes)
+        ASSERT_GT(cls, o.capacity - s.reserved_bytes)
             << at() << ": " << bytes << " bytes would have fit in a new segment";
         ASSERT_EQ(pool->trim(), 0u) << at() << ": gave up with cached segments left";
         a.host = nullptr;
@@ -172,8 +179,8 @@ void run_sequence(std::uint64_t seed, const Variant& variant, int ops) {
       if (a.host != nullptr) {
         ++allocations;
         const auto b = reinterpret_cast<std::uintptr_t>(a.host), e = b + a.size;
-        ASSERT_EQ(b % kAlignment, 0u) << at();
-        const std::size_t cls = size_class(bytes, o.own_segment_threshold);
+        ASSERT_EQ(b % alignment, 0u) << at() << ": " << bytes << " bytes asked with alignment " << alignment;
+        ASSERT_EQ(a.size % alignment, 0u) << at();
         ASSERT_TRUE(a.size >= cls && a.size - cls <= a.size / 8) << at() << ": " << a.size << " for " << bytes;
         const auto seg = mem->segment_of(a.host);
         ASSERT_TRUE(seg && e <= seg->host + seg->bytes) << at() << ": block outside its segment";
@@ -294,6 +301,25 @@ TEST(HostPoolProperty, RandomOperationsKeepInvariantsAndTheShadowModel) {
       {"three NUMA nodes, reserve 4 MiB, max_cached 2 MiB", 2 * MiB, 4 * MiB, true},
   };
   for (std::uint64_t seed : {11u, 12u, 13u, 14u, 15u, 16u, 17u, 18u, 19u, 20u}) {
+    const Variant& v = variants[seed % 6];
+    SCOPED_TRACE("seed " + std::to_string(seed) + ", " + v.name);
+    run_sequence(seed, v, 20000);
+    if (HasFatalFailure()) return;
+  }
+}
+
+// The same with a third of the requests page aligned: their heads split off,
+// merge back, and serve small requests among everything else.
+TEST(HostPoolProperty, RandomOperationsWithPageAlignedRequests) {
+  const Variant variants[] = {
+      {"plain, page aligned", SIZE_MAX, 0, false, true},
+      {"max_cached 2 MiB, page aligned", 2 * MiB, 0, false, true},
+      {"reserve 4 MiB + 100 B, max_cached 8 MiB, page aligned", 8 * MiB, 4 * MiB + 100, false, true},
+      {"max_cached 0, page aligned", 0, 0, false, true},
+      {"three NUMA nodes, page aligned", SIZE_MAX, 0, true, true},
+      {"three NUMA nodes, reserve 4 MiB, max_cached 2 MiB, page aligned", 2 * MiB, 4 * MiB, true, true},
+  };
+  for (std::uint64_t seed : {21u, 22u, 23u, 24u, 25u, 26u, 27u, 28u, 29u, 30u}) {
     const Variant& v = variants[seed % 6];
     SCOPED_TRACE("seed " + std::to_string(seed) + ", " + v.name);
     run_sequence(seed, v, 20000);

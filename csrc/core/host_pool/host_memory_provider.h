@@ -16,7 +16,7 @@ namespace hipferry::pool {
 constexpr int kNoNumaNode = -1;
 
 struct HostSegment {
-  void* host = nullptr;    // host address, aligned to at least kAlignment
+  void* host = nullptr;    // host address, aligned to a page (4096 bytes) at least
   void* device = nullptr;  // device address of mapped memory, nullptr when not mapped
 };
 

@@ -27,6 +27,8 @@ std::string format_bytes(std::size_t bytes) {
   return buf;
 }
 
+PoolError closed_error() { return PoolError("hipferry pinned pool: allocate on a closed pool; expected an open pool"); }
+
 class CompletedEvent : public UseEvent {
  public:
   bool query() override { return true; }
@@ -88,6 +90,7 @@ HostPool::HostPool(std::unique_ptr<HostMemoryProvider> provider, std::unique_ptr
     const std::size_t bytes = round_up(options_.reserve_bytes, kOwnSegmentGranule);
     const auto t0 = std::chrono::steady_clock::now();
     const HostSegment memory = provider_->allocate(bytes, options_.numa_node);
+    require_page_aligned(memory, bytes);
     const auto t1 = std::chrono::steady_clock::now();
     std::lock_guard<std::mutex> lock(mutex_);
     ++stats_.system_allocs;
@@ -117,7 +120,7 @@ HostPool::~HostPool() {
   }
 }
 
-std::set<HostPool::Block*, HostPool::BySizeThenAddress>& HostPool::free_set(SegmentKind kind) {
+HostPool::FreeSet& HostPool::free_set(SegmentKind kind) {
   switch (kind) {
     case SegmentKind::kSmall: return free_small_;
     case SegmentKind::kReserve: return free_reserve_;
@@ -142,47 +145,76 @@ int HostPool::node_of_block(const void* host) const {
   return it->second->segment->node;
 }
 
-HostPool::Block* HostPool::find_free(std::size_t size, bool small, int node) {
+std::size_t HostPool::head_bytes(const Block* b, std::size_t alignment) {
+  const std::size_t misalignment = reinterpret_cast<std::uintptr_t>(b->host) % alignment;
+  return misalignment == 0 ? 0 : alignment - misalignment;
+}
+
+HostPool::Block* HostPool::first_fit(FreeSet& set, const Request& r, int node) const {
+  if (set.empty()) return nullptr;
   Block key{};
-  key.size = size;
+  key.node = node;
+  key.size = r.size;
   key.host = nullptr;
-  const auto first_fit = [&key](std::set<Block*, BySizeThenAddress>& set, int on_node) -> Block* {
-    if (set.empty()) return nullptr;
-    key.node = on_node;
-    auto it = set.lower_bound(&key);
-    return it == set.end() || (*it)->node != on_node ? nullptr : *it;
-  };
+  auto it = set.lower_bound(&key);
+  // A block fits when its size covers its unaligned head too (never one with
+  // 256-byte alignment). Best fit among the first few candidates; past them,
+  // the smallest block that fits wherever it starts (its head is at most
+  // alignment - 256), so that a run of misfits costs no linear scan.
+  for (int tries = 0; it != set.end() && (*it)->node == node; ++it) {
+    if ((*it)->size >= head_bytes(*it, r.alignment) + r.size) return *it;
+    if (++tries == kAlignedFitTries) {
+      key.size = r.size + r.alignment - kAlignment;
+      it = set.lower_bound(&key);
+      return it == set.end() || (*it)->node != node ? nullptr : *it;
+    }
+  }
+  return nullptr;
+}
+
+HostPool::Block* HostPool::find_free(const Request& r) {
   // The reserve (on numa_node) serves every size class and every node; small
   // requests take it only when their own segments have no room (small blocks
   // would pin large free space).
-  Block* reserve = first_fit(free_reserve_, options_.numa_node);
-  if (small) {
-    Block* b = first_fit(free_small_, node);
+  Block* reserve = first_fit(free_reserve_, r, options_.numa_node);
+  if (r.small) {
+    Block* b = first_fit(free_small_, r, r.node);
     return b != nullptr ? b : reserve;
   }
-  Block* large = first_fit(free_large_, node);
+  Block* large = first_fit(free_large_, r, r.node);
   if (large == nullptr) return reserve;
   return reserve != nullptr && reserve->size <= large->size ? reserve : large;
 }
 
-HostPool::Allocation HostPool::hand_out(Block* b, std::size_t size, std::size_t requested) {
+HostPool::Block* HostPool::split(Block* b, std::size_t offset) {
+  Block* rest = new Block{b->host + offset, b->size - offset, 0, b->segment, b, b->next, BlockState::kFree, b->node, {}};
+  if (b->next != nullptr) b->next->prev = rest;
+  b->next = rest;
+  b->size = offset;
+  return rest;
+}
+
+HostPool::Allocation HostPool::hand_out(Block* b, const Request& r) {
   Segment* s = b->segment;
-  free_set(s->kind).erase(b);
+  FreeSet& set = free_set(s->kind);
+  set.erase(b);  // (out of the set: its key, the size, may change)
   free_bytes_ -= b->size;
   if (b->size == s->size && s->kind != SegmentKind::kReserve) fully_free_bytes_ -= s->size;
-  const std::size_t rest = b->size - size;
+  if (const std::size_t head = head_bytes(b, r.alignment); head > 0) {
+    Block* aligned = split(b, head);  // b stays free: the head, before a live block
+    set.insert(b);
+    free_bytes_ += head;
+    b = aligned;
+  }
+  const std::size_t rest = b->size - r.size;
   if (rest >= kAlignment) {  // (an own segment too: its rest serves smaller requests)
-    Block* r = new Block{b->host + size, rest, 0, s, b, b->next, BlockState::kFree, s->node, {}};
-    if (b->next != nullptr) b->next->prev = r;
-    b->next = r;
-    b->size = size;  // (b is out of the set: its key may change)
-    free_set(s->kind).insert(r);
+    set.insert(split(b, r.size));
     free_bytes_ += rest;
   }
   b->state = BlockState::kLive;
-  b->requested = requested;
+  b->requested = r.bytes;
   live_.emplace(b->host, b);
-  stats_.requested_bytes += requested;
+  stats_.requested_bytes += r.bytes;
   stats_.allocated_bytes += b->size;
   ++stats_.live_blocks;
   stats_.peak_requested_bytes = std::max(stats_.peak_requested_bytes, stats_.requested_bytes);
@@ -217,103 +249,133 @@ void HostPool::count_segment(const Segment& s, bool added) {
   if (it->second == 0) stats_.reserved_by_node.erase(it);
 }
 
-HostPool::Allocation HostPool::allocate(std::size_t bytes, int device) {
+HostPool::Request HostPool::make_request(std::size_t bytes, int device, std::size_t alignment) const {
   if (bytes == 0 || bytes > kMaxRequestBytes) {
     throw PoolError("hipferry pinned pool: cannot allocate " + std::to_string(bytes) +
                     " bytes; expected a size from 1 byte to 2^48 bytes");
   }
-  const std::size_t size = size_class(bytes, options_.own_segment_threshold);
-  const bool small = size <= options_.small_max;
-  const int node = node_of_device(device);
-  const auto closed_error = [] {
-    return PoolError("hipferry pinned pool: allocate on a closed pool; expected an open pool");
-  };
+  if (alignment != kAlignment && alignment != kPageAlignment) {
+    throw PoolError("hipferry pinned pool: cannot allocate with alignment " + std::to_string(alignment) +
+                    "; expected alignment 256 (the default) or 4096 (a page, as O_DIRECT needs)");
+  }
+  // Whole pages for a page-aligned request (Note [hipferry pinned pool]):
+  // every size class of a multiple of 4096 is one too.
+  const std::size_t size = size_class(round_up(bytes, alignment), options_.own_segment_threshold);
+  return {bytes, size, alignment, node_of_device(device), size <= options_.small_max};
+}
+
+std::size_t HostPool::segment_bytes_for(const Request& r) const {
+  if (r.small) return options_.small_segment_bytes;
+  return r.size > options_.own_segment_threshold ? r.size : options_.large_segment_bytes;
+}
+
+HostPool::Allocation HostPool::allocate(std::size_t bytes, int device, std::size_t alignment) {
+  const Request r = make_request(bytes, device, alignment);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (closed_) throw closed_error();
-    if (Block* b = find_free(size, small, node)) {
+    if (Block* b = find_free(r)) {
       ++stats_.cache_hits;
-      return hand_out(b, size, bytes);
+      return hand_out(b, r);
     }
   }
   process_events();  // blocks whose work has completed may serve it
-
-  SegmentKind kind = small ? SegmentKind::kSmall
-                     : size > options_.own_segment_threshold ? SegmentKind::kOwn
-                                                             : SegmentKind::kLarge;
-  std::size_t segment_bytes = kind == SegmentKind::kSmall   ? options_.small_segment_bytes
-                              : kind == SegmentKind::kLarge ? options_.large_segment_bytes
-                                                            : size;
+  std::size_t segment_bytes = segment_bytes_for(r);
   {
     std::unique_lock<std::mutex> lock(mutex_);
-    bool reclaimed = false;  // the reclaimer is asked once per allocation
-    bool growth_checked = false;  // the growth bound is applied once per allocation
-    for (;;) {
-      if (closed_) throw closed_error();
-      if (Block* b = find_free(size, small, node)) {
-        ++stats_.cache_hits;
-        return hand_out(b, size, bytes);
-      }
-      if (!growth_checked) {
-        growth_checked = true;
-        SegmentList cached;
-        collect_for_growth(bytes, segment_bytes, cached);
-        if (!cached.empty()) {
-          lock.unlock();
-          release_segments(cached);
-          lock.lock();
-          continue;
-        }
-      }
-      if (segment_bytes <= options_.capacity - stats_.reserved_bytes - pending_bytes_) break;
-      // Over the cap: first give back cached free segments...
+    if (Block* b = make_room(lock, r, segment_bytes)) {
+      ++stats_.cache_hits;
+      return hand_out(b, r);
+    }
+  }
+  return allocate_segment(r, segment_bytes);
+}
+
+HostPool::Block* HostPool::make_room(std::unique_lock<std::mutex>& lock, const Request& r, std::size_t& segment_bytes) {
+  bool reclaimed = false;       // the reclaimer is asked once per allocation
+  bool growth_checked = false;  // the growth bound is applied once per allocation
+  for (;;) {
+    if (closed_) throw closed_error();
+    if (Block* b = find_free(r)) return b;
+    if (!growth_checked) {
+      growth_checked = true;
       SegmentList cached;
-      collect_free_segments(0, false, cached);
+      collect_for_growth(r.bytes, segment_bytes, cached);
       if (!cached.empty()) {
         lock.unlock();
         release_segments(cached);
         lock.lock();
         continue;
       }
-      // ...then take no more than the block needs...
-      if (segment_bytes > size) {
-        segment_bytes = size;
-        continue;
-      }
-      // ...then have those who hold blocks for completed work let go...
-      if (!reclaimed && reclaimer_) {
-        reclaimed = true;
-        std::function<std::size_t()> reclaim = reclaimer_;
-        lock.unlock();
-        const std::size_t released = reclaim();  // may deallocate blocks of this pool
-        lock.lock();
-        if (released > 0) {
-          ++stats_.reclaims;
-          continue;
-        }
-      }
-      // ...then wait for blocks parked on asynchronous work.
-      if (!waiting_.empty() || waiting_in_flight_ > 0) {
-        const std::uint64_t completions = completions_;
-        lock.unlock();
-        const bool waited = wait_for_waiting_blocks();
-        if (!waited) std::this_thread::yield();  // another thread is polling them
-        lock.lock();
-        // Waited, and still no block came free anywhere: their events fail
-        // (a runtime error); do not spin on them.
-        if (waited && completions_ == completions) throw_capacity(bytes, segment_bytes);
-        continue;
-      }
-      throw_capacity(bytes, segment_bytes);
     }
-    ++stats_.cache_misses;
-    pending_bytes_ += segment_bytes;
+    if (segment_bytes <= options_.capacity - stats_.reserved_bytes - pending_bytes_) break;
+    // Over the cap: first give back cached free segments...
+    SegmentList cached;
+    collect_free_segments(0, false, cached);
+    if (!cached.empty()) {
+      lock.unlock();
+      release_segments(cached);
+      lock.lock();
+      continue;
+    }
+    // ...then take no more than the block needs (a segment starts on a page:
+    // the block fits at its start whatever its alignment)...
+    if (segment_bytes > r.size) {
+      segment_bytes = r.size;
+      continue;
+    }
+    // ...then have those who hold blocks for completed work let go...
+    if (!reclaimed && reclaimer_) {
+      reclaimed = true;
+      std::function<std::size_t()> reclaim = reclaimer_;
+      lock.unlock();
+      const std::size_t released = reclaim();  // may deallocate blocks of this pool
+      lock.lock();
+      if (released > 0) {
+        ++stats_.reclaims;
+        continue;
+      }
+    }
+    // ...then wait for blocks parked on asynchronous work.
+    if (!waiting_.empty() || waiting_in_flight_ > 0) {
+      const std::uint64_t completions = completions_;
+      lock.unlock();
+      const bool waited = wait_for_waiting_blocks();
+      if (!waited) std::this_thread::yield();  // another thread is polling them
+      lock.lock();
+      // Waited, and still no block came free anywhere: their events fail
+      // (a runtime error); do not spin on them.
+      if (waited && completions_ == completions) throw_capacity(r.bytes, segment_bytes);
+      continue;
+    }
+    throw_capacity(r.bytes, segment_bytes);
   }
+  ++stats_.cache_misses;
+  pending_bytes_ += segment_bytes;
+  return nullptr;
+}
 
+void HostPool::require_page_aligned(const HostSegment& memory, std::size_t bytes) {
+  if (reinterpret_cast<std::uintptr_t>(memory.host) % kPageAlignment == 0) return;
+  provider_->release(memory, bytes);
+  throw PoolError("hipferry pinned pool: " + provider_->describe() + " handed out a segment at " +
+                  std::to_string(reinterpret_cast<std::uintptr_t>(memory.host)) +
+                  ", not on a page; expected segments aligned to 4096 bytes");
+}
+
+HostPool::Allocation HostPool::allocate_segment(const Request& r, std::size_t segment_bytes) {
+  const SegmentKind kind = r.small                                  ? SegmentKind::kSmall
+                           : r.size > options_.own_segment_threshold ? SegmentKind::kOwn
+                                                                     : SegmentKind::kLarge;
   HostSegment memory;
   const auto t0 = std::chrono::steady_clock::now();
   try {
-    memory = provider_->allocate(segment_bytes, node);
+    memory = provider_->allocate(segment_bytes, r.node);
+    require_page_aligned(memory, segment_bytes);
+  } catch (const PoolError&) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    pending_bytes_ -= segment_bytes;
+    throw;
   } catch (const std::exception& e) {
     std::lock_guard<std::mutex> lock(mutex_);
     pending_bytes_ -= segment_bytes;
@@ -329,8 +391,8 @@ HostPool::Allocation HostPool::allocate(std::size_t bytes, int device) {
   pending_bytes_ -= segment_bytes;
   ++stats_.system_allocs;
   stats_.system_alloc_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count();
-  Segment* s = add_segment(memory, segment_bytes, kind, node);
-  return hand_out(s->first, size, bytes);
+  Segment* s = add_segment(memory, segment_bytes, kind, r.node);
+  return hand_out(s->first, r);
 }
 
 void HostPool::record_use(void* host, StreamUse use) {
@@ -616,6 +678,7 @@ void HostPool::check_invariants() const {
   for (const auto& s : segments_) {
     reserved += s->size;
     const char* expect = static_cast<const char*>(s->memory.host);
+    if (reinterpret_cast<std::uintptr_t>(expect) % kPageAlignment != 0) fail("segment not on a page");
     const Block* prev = nullptr;
     for (const Block* b = s->first; b != nullptr; prev = b, b = b->next) {
       if (b->segment != s.get()) fail("block points at another segment");

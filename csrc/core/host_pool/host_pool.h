@@ -34,6 +34,22 @@
 //     serve the request) go back to the provider, down to growth_keep_bytes.
 //     Under churn (sizes that change, round after round) reserved then stays
 //     within 1.25x of peak requested (tests/cpp/host_pool_growth_test.cpp).
+//   - alignment: a request asks for blocks that start at a multiple of 256
+//     (kAlignment, the default) or of a page (kPageAlignment: O_DIRECT reads
+//     and writes straight into the block). A page-aligned request is rounded
+//     to whole pages before its size class, so its block is a whole number
+//     of pages (a read of whole pages stays inside it) and the free rest
+//     after it starts on a page. Segments start on a page (the provider's
+//     contract, checked when one arrives). Any free block serves it whose
+//     size covers the request after the block's unaligned head: the head
+//     (< 4 KiB, a multiple of 256) is split off as a free block of its own,
+//     which merges back when either neighbour is freed, so a free segment
+//     still ends as one block. Chosen over keeping page-aligned requests to
+//     aligned blocks or segments of their own: no free space is off limits
+//     to them, and the head serves small requests meanwhile. Lookup stays
+//     O(log n): the best-fit candidates below size + 3840 are tried a few
+//     at a time (kAlignedFitTries), then the smallest block that fits
+//     wherever it starts.
 //   - NUMA: every segment lives on one node (or on none: the system's
 //     default placement), and its free blocks serve only requests for that
 //     node: the free sets are ordered by (node, size, address), so each node
@@ -78,6 +94,7 @@
 #include <vector>
 
 #include "csrc/core/host_pool/host_memory_provider.h"
+#include "csrc/core/host_pool/size_classes.h"
 
 namespace hipferry::pool {
 
@@ -161,9 +178,12 @@ class HostPool {
   HostPool(const HostPool&) = delete;
   HostPool& operator=(const HostPool&) = delete;
 
-  // A block of at least `bytes` (1 <= bytes <= kMaxRequestBytes), aligned
-  // to kAlignment, for `device` (-1: none), on node_of_device(device).
-  Allocation allocate(std::size_t bytes, int device = -1);
+  // A block of at least `bytes` (1 <= bytes <= kMaxRequestBytes) starting
+  // at a multiple of `alignment`, for `device` (-1: none), on
+  // node_of_device(device). `alignment`: kAlignment (256) or kPageAlignment
+  // (4096; the block's size is then a multiple of 4096 too). Throws PoolError
+  // for any other size or alignment before anything changes.
+  Allocation allocate(std::size_t bytes, int device = -1, std::size_t alignment = kAlignment);
   // The NUMA node whose pages serve requests for `device` (-1: none).
   int node_of_device(int device) const;
   // The NUMA node of the segment holding the live block at `host`; throws
@@ -234,10 +254,40 @@ class HostPool {
   };
   using SegmentList = std::vector<std::unique_ptr<Segment>>;
 
+  using FreeSet = std::set<Block*, BySizeThenAddress>;
+  // One allocate() call, its arguments checked.
+  struct Request {
+    std::size_t bytes;      // as asked
+    std::size_t size;       // the block's size: the request's size class
+    std::size_t alignment;  // kAlignment or kPageAlignment
+    int node;               // node_of_device(device)
+    bool small;             // served from small segments
+  };
+  // Throws PoolError for a bad size or alignment. No lock needed.
+  Request make_request(std::size_t bytes, int device, std::size_t alignment) const;
+  // The size of a new segment for `r` (before any capacity squeeze).
+  std::size_t segment_bytes_for(const Request& r) const;
+  // Below a block of this many candidates too small for their unaligned head,
+  // an aligned lookup takes the smallest block that surely fits.
+  static constexpr int kAlignedFitTries = 8;
+  // Bytes from `b`'s start to the first multiple of `alignment`.
+  static std::size_t head_bytes(const Block* b, std::size_t alignment);
+
   // All below: mutex_ held.
-  std::set<Block*, BySizeThenAddress>& free_set(SegmentKind kind);
-  Block* find_free(std::size_t size, bool small, int node);
-  Allocation hand_out(Block* block, std::size_t size, std::size_t requested);
+  FreeSet& free_set(SegmentKind kind);
+  Block* find_free(const Request& r);
+  // The best-fitting free block of `set` on `node` for `r`, or nullptr.
+  Block* first_fit(FreeSet& set, const Request& r, int node) const;
+  Allocation hand_out(Block* block, const Request& r);
+  // Cuts the block (out of its free set) at `offset`; returns the new block
+  // after the cut, free and in no set.
+  Block* split(Block* block, std::size_t offset);
+  // Between the cache miss and the provider call: applies the growth bound
+  // and the capacity (shrinking `segment_bytes`, reclaiming, waiting; `lock`
+  // is dropped around those calls). Returns a free block that came to fit
+  // meanwhile, or nullptr with `segment_bytes` set aside in pending_bytes_.
+  // Throws for a closed pool or when the capacity leaves no way.
+  Block* make_room(std::unique_lock<std::mutex>& lock, const Request& r, std::size_t& segment_bytes);
   void free_block(Block* block, SegmentList& to_release);
   void merge_with_next(Block* block);  // both free and in their set
   static bool fully_free(const Segment& s) { return s.first->state == BlockState::kFree && s.first->size == s.size; }
@@ -254,6 +304,12 @@ class HostPool {
 
   // No lock held.
   void release_segments(const SegmentList& segments);
+  // A new segment of `segment_bytes` (set aside by make_room) from the
+  // provider, and `r`'s block at its start.
+  Allocation allocate_segment(const Request& r, std::size_t segment_bytes);
+  // Gives a segment that does not start on a page back to the provider and
+  // throws PoolError (page-aligned requests rely on segments that do).
+  void require_page_aligned(const HostSegment& memory, std::size_t bytes);
   // Frees waiting blocks whose events completed (with `wait`, after blocking
   // on each event); segments that become releasable are appended to
   // `to_release`. Reports how many blocks were taken to poll and freed.
@@ -272,9 +328,9 @@ class HostPool {
 
   mutable std::mutex mutex_;
   // --- guarded by mutex_ ---
-  std::set<Block*, BySizeThenAddress> free_small_;  // free blocks of small segments, per node
-  std::set<Block*, BySizeThenAddress> free_large_;    // free blocks of large and own segments, per node
-  std::set<Block*, BySizeThenAddress> free_reserve_;  // free blocks of the reserve (every size class)
+  FreeSet free_small_;    // free blocks of small segments, per node
+  FreeSet free_large_;    // free blocks of large and own segments, per node
+  FreeSet free_reserve_;  // free blocks of the reserve (every size class)
   std::unordered_map<void*, Block*> live_;          // live blocks by host address
   std::vector<Waiting> waiting_;                     // parked blocks with their events
   std::size_t waiting_in_flight_ = 0;  // waiting blocks taken out of waiting_ to be polled

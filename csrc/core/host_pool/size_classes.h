@@ -15,6 +15,10 @@ namespace hipferry::pool {
 // Every block starts at a multiple of this: enough for DMA engines and for
 // the widest vector loads of CPU and GPU kernels.
 constexpr std::size_t kAlignment = 256;
+// The other alignment a request may ask for: a page, as O_DIRECT needs of the
+// buffers it reads and writes (the disk state store reads straight into pool
+// blocks). Every segment starts on a page.
+constexpr std::size_t kPageAlignment = 4096;
 constexpr std::size_t kClassesPerDoubling = 8;
 constexpr std::size_t kOwnSegmentGranule = std::size_t{64} << 10;
 // Above this no request is accepted (no host has 256 TiB).
