@@ -2,7 +2,8 @@
 // state tensors, the building block of the offloaded optimizer) and
 // hipferry::bits_equal (the commit test of a speculative step, Note
 // [speculative step] in hipferry/optim/speculation.py): their checks, their CPU
-// kernels, and the pybind fast paths _C._adamw_step_ / _C._bits_equal that call
+// kernels, and the pybind fast paths _C._adamw_step_ / _C._bits_equal (and
+// _C._adamw_step_many_, the step of many parameters in one call) that call
 // the same functions without the dispatcher (Note [adamw_step_ fast path]).
 // CPU tensors: the vectorized loop on torch's thread pool; GPU tensors: ONE
 // kernel on the current stream (registered in adamw_step_gpu.cpp). Both run
@@ -210,9 +211,12 @@ namespace {
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // _C._adamw_step_ and _C._bits_equal call the op kernels' functions without the
 // dispatcher: about 1.6 us a call against 4.4 us through
-// torch.ops.hipferry.adamw_step_ (a 16-element tensor, best of many, AMD EPYC),
-// and OffloadAdamW makes one call per parameter. hipferry.ops.adamw_step_ /
-// bits_equal take them for eager calls; tracing and dispatch modes take the op.
+// torch.ops.hipferry.adamw_step_ (a 16-element tensor, best of many, AMD EPYC).
+// hipferry.ops.adamw_step_ / bits_equal take them for eager calls; tracing and
+// dispatch modes take the op. _C._adamw_step_many_ (hipferry.ops.adamw_step_many_)
+// steps a list of parameters in one crossing: OffloadAdamW's CPU engine steps all
+// of a step's in-place parameters with it, so no Python runs between them (after a
+// parameter has streamed its state through the caches, that Python ran cold: issue 31).
 // Both paths give the same results and the same errors: torch's negative (and,
 // for bits_equal, conjugate) bit, which the stable ABI cannot see, is asked of
 // the Python object here and refused, as the op's Negative / Conjugate kernels
