@@ -6,6 +6,9 @@
 
 #include <cstdint>
 #include <optional>
+#include <vector>
+
+#include "csrc/core/optim/adamw_update.h"
 
 #include "csrc/torch/stable.h"
 
@@ -20,6 +23,20 @@ void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg, 
                 double beta2, double eps, double weight_decay, bool amsgrad, bool maximize, const Tensor& param_in,
                 const Tensor& exp_avg_in, const Tensor& exp_avg_sq_in, const Tensor& max_exp_avg_sq_in,
                 bool adopt_out = false);
+
+// One parameter's in-place step in adamw_step_many (undefined max_exp_avg_sq / param_out: None).
+struct AdamWItem {
+  Tensor param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_out;
+  std::int64_t step = 1;
+  optim::AdamWHyper hyper;
+  bool adopt_out = false;
+};
+
+// adamw_step in place over many parameters, one after the other (as many calls
+// would): every item is checked (the same checks, the message naming the
+// item) before any is stepped. OffloadAdamW's CPU engine steps all of a
+// step's parameters with one call (_C._adamw_step_many_).
+void adamw_step_many(const std::vector<AdamWItem>& items);
 
 // Whether two dense CPU tensors of as many bytes hold the same bytes.
 bool bits_equal(const Tensor& a, const Tensor& b);

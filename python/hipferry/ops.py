@@ -1,5 +1,5 @@
 """Thin Python wrappers over torch.ops.hipferry (the schemas live in csrc/torch/ops.cpp)."""
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
@@ -155,6 +155,42 @@ def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     call_op(torch.ops.hipferry.adamw_step_.default, param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_out,
             step, lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, param_in, exp_avg_in, exp_avg_sq_in,
             max_exp_avg_sq_in, adopt_out)
+
+
+def adamw_step_many_(params: List[torch.Tensor], grads: List[torch.Tensor], exp_avgs: List[torch.Tensor],
+                     exp_avg_sqs: List[torch.Tensor], max_exp_avg_sqs: List[Optional[torch.Tensor]],
+                     param_outs: List[Optional[torch.Tensor]], steps: List[int], hypers: List[dict],
+                     adopt_outs: List[bool]) -> None:
+    """``adamw_step_`` in place over many parameters, in one call: item i is
+    ``adamw_step_(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i],
+    max_exp_avg_sqs[i], param_outs[i], steps[i], **hypers[i],
+    adopt_out=adopt_outs[i])``, the items stepped one after the other. Every
+    item is checked (the same checks, the message naming the item) before any
+    is stepped. Eager calls make ONE crossing into C++ (OffloadAdamW's CPU
+    engine steps all of a step's parameters with it); tracing and dispatch
+    modes check every item, then call the op once per item."""
+    if _fast_path():
+        _C._adamw_step_many_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_outs, steps, hypers,
+                             adopt_outs)
+        return
+    items = list(zip(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_outs, steps, hypers, adopt_outs))
+    for name, entries in (("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs),
+                          ("max_exp_avg_sqs", max_exp_avg_sqs), ("param_outs", param_outs), ("steps", steps),
+                          ("hypers", hypers), ("adopt_outs", adopt_outs)):
+        if len(entries) != len(params):
+            raise ValueError(f"hipferry.adamw_step_many_: {name} has {len(entries)} entries but params has "
+                             f"{len(params)}; expected one per parameter")
+    for i, (p, g, m, v, mx, out, step, hyper, adopt) in enumerate(items):
+        for name, t in zip(_ADAMW_TENSORS, (p, g, m, v, mx, out)):
+            if isinstance(t, torch.Tensor) and t.is_neg():
+                raise ValueError(_lazy_bit_message("adamw_step_many_", f"{name}s[{i}]", "neg"))
+        try:
+            _adamw_step_fake(p, g, m, v, mx, out, step, **hyper, adopt_out=adopt)
+        except ValueError as e:
+            raise ValueError(str(e).replace("hipferry.adamw_step_: ", f"hipferry.adamw_step_many_: item {i}: ", 1)) \
+                from None
+    for p, g, m, v, mx, out, step, hyper, adopt in items:
+        adamw_step_(p, g, m, v, mx, out, step, **hyper, adopt_out=adopt)
 
 
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

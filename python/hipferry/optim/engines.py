@@ -41,11 +41,52 @@ class StepItem:
 class InPlaceEngine:
     def __init__(self, store):
         self.store = store
+        # float32 state: the parameters that step straight from their own memory all go
+        # through ONE C++ call (Float32Store.step_many): the Python work between one call
+        # per parameter cost more than the gap to torch's fused step (issue 31).
+        self.batched = store.format == "float32"
 
     def step(self, items: List[StepItem]) -> None:
+        if not self.batched or len(items) < 2 or _C.trace_active():  # a trace shows each parameter's step
+            for it in items:
+                with span("step", TRACK_STEP, it.p):
+                    self._step_one(it)
+            return
+        run: List[tuple] = []  # in order: a parameter that cannot join steps after the run before it
         for it in items:
-            with span("step", TRACK_STEP, it.p):
-                self._step_one(it)
+            args = self._direct(it)
+            if args is not None:
+                run.append(args)
+                continue
+            self._step_run(run)
+            run = []
+            self._step_one(it)
+        self._step_run(run)
+
+    @staticmethod
+    def _direct(it: StepItem) -> Optional[tuple]:
+        """Float32Store.step_many's item for `it` (the arguments _step_one passes to
+        Float32Store.step), or None where _step_one does more than that call: a
+        committed speculation, float64, or a parameter that needs a working copy."""
+        lp, st = local(it.p), it.st
+        rp = real(lp)
+        if it.committed is not None or param_dtype(lp) == torch.float64 or \
+                rp.stride() != real(st["exp_avg"]).stride() or memory_flat(rp) is None:
+            return None
+        grad = real(local(it.p.grad))
+        master = st.get("master_param")
+        if master is not None:
+            return it.hyper, master, grad, st, rp, it.step, True, lp, it.slot
+        return it.hyper, rp, grad, st, None, it.step, False, lp, it.slot
+
+    def _step_run(self, run: List[tuple]) -> None:
+        if not run:
+            return
+        self.store.step_many([args[:7] for args in run])
+        params = [args[7] for args in run]
+        torch.autograd.graph.increment_version(params)  # written through a raw pointer: say so
+        for args in run:
+            args[8].seen = param_key(args[7])
 
     def _step_one(self, it: StepItem) -> None:
         lp, st, hyper = local(it.p), it.st, it.hyper

@@ -117,3 +117,24 @@ class Float32Store:
                 ins["max_exp_avg_sq_in"] = flat(real(source["max_exp_avg_sq"]))
         ops.adamw_step_(flat(target), flat(aligned(grad, m)), flat(m), flat(v), flat(mx) if mx is not None else None,
                         flat(out) if out is not None else None, step, **hyper, **ins, adopt_out=adopt)
+
+    @staticmethod
+    def step_many(items: List[tuple]) -> None:
+        """step() in place over many parameters, in ONE C++ call (ops.adamw_step_many_),
+        each item checked before any is stepped: items of (hyper, target, grad, st, out,
+        step, adopt), as step() takes them (amsgrad: hyper's)."""
+        flat = memory_flat
+        targets, grads, ms, vs, mxs, outs, steps, hypers, adopts = [], [], [], [], [], [], [], [], []
+        for hyper, target, grad, st, out, step, adopt in items:
+            m = real(st["exp_avg"])
+            mx = st.get("max_exp_avg_sq") if hyper["amsgrad"] else None
+            targets.append(flat(target))
+            grads.append(flat(aligned(grad, m)))
+            ms.append(flat(m))
+            vs.append(flat(real(st["exp_avg_sq"])))
+            mxs.append(flat(real(mx)) if mx is not None else None)
+            outs.append(flat(out) if out is not None else None)
+            steps.append(step)
+            hypers.append(hyper)
+            adopts.append(adopt)
+        ops.adamw_step_many_(targets, grads, ms, vs, mxs, outs, steps, hypers, adopts)
