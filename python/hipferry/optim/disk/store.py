@@ -312,6 +312,4 @@ def _by_format(pairs: List[tuple]) -> List[tuple]:
 
 def _page_aligned(pool, nbytes: int) -> torch.Tensor:
     """`nbytes` of pool memory starting on a page (O_DIRECT's alignment)."""
-    raw = pool.empty(nbytes + PAGE, dtype=torch.uint8)
-    skip = (-raw.data_ptr()) % PAGE
-    return raw[skip:skip + nbytes]
+    return pool.empty(nbytes, dtype=torch.uint8, alignment=PAGE)
