@@ -61,7 +61,7 @@ quiet_pip() { "$@" 2>&1 | { grep -v "Running pip as the 'root' user" || true; };
 
 deps() {
   step "system packages"
-  local pkgs=(cmake ninja-build googletest libgtest-dev hipcc librocprim-dev ccache)
+  local pkgs=(cmake ninja-build googletest libgtest-dev hipcc librocprim-dev ccache liburing-dev fio)
   local missing=()
   for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
   if ((${#missing[@]})); then
