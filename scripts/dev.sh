@@ -214,11 +214,11 @@ sanitize() {
 }
 
 tsan() {
-  step "ThreadSanitizer build: the multi-threaded core tests (pinned pool, serial worker, trace recorder, copy scheduler)"
+  step "ThreadSanitizer build: the multi-threaded core tests (pinned pool, serial worker, trace recorder, copy scheduler, disk I/O backends)"
   cmake -S . -B build/check-tsan -G Ninja -DHIPFERRY_BUILD_TORCH=OFF -DHIPFERRY_TARGET=cpu \
     -DHIPFERRY_TSAN=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
   cmake --build build/check-tsan -j "$JOBS" --target hipferry_core_tests
-  TSAN_OPTIONS=halt_on_error=1 build/check-tsan/tests/cpp/hipferry_core_tests --gtest_filter='HostPool*:SerialWorker*:TraceRecorder*:SlotRing*:InFlightWindow*:Schedule*:WorkerStream*:AdamWPipeline*:ReleaseList*'
+  TSAN_OPTIONS=halt_on_error=1 build/check-tsan/tests/cpp/hipferry_core_tests --gtest_filter='HostPool*:SerialWorker*:TraceRecorder*:SlotRing*:InFlightWindow*:Schedule*:WorkerStream*:AdamWPipeline*:ReleaseList*:Backends/RealBackend*:MakeBackend*'
 }
 
 run_tests() {
