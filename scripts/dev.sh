@@ -61,7 +61,7 @@ quiet_pip() { "$@" 2>&1 | { grep -v "Running pip as the 'root' user" || true; };
 
 deps() {
   step "system packages"
-  local pkgs=(cmake ninja-build googletest libgtest-dev hipcc librocprim-dev ccache)
+  local pkgs=(cmake ninja-build googletest libgtest-dev hipcc librocprim-dev ccache liburing-dev fio)
   local missing=()
   for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
   if ((${#missing[@]})); then
@@ -214,11 +214,11 @@ sanitize() {
 }
 
 tsan() {
-  step "ThreadSanitizer build: the multi-threaded core tests (pinned pool, serial worker, trace recorder, copy scheduler)"
+  step "ThreadSanitizer build: the multi-threaded core tests (pinned pool, serial worker, trace recorder, copy scheduler, disk I/O backends)"
   cmake -S . -B build/check-tsan -G Ninja -DHIPFERRY_BUILD_TORCH=OFF -DHIPFERRY_TARGET=cpu \
     -DHIPFERRY_TSAN=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
   cmake --build build/check-tsan -j "$JOBS" --target hipferry_core_tests
-  TSAN_OPTIONS=halt_on_error=1 build/check-tsan/tests/cpp/hipferry_core_tests --gtest_filter='HostPool*:SerialWorker*:TraceRecorder*:SlotRing*:InFlightWindow*:Schedule*:WorkerStream*:AdamWPipeline*:ReleaseList*'
+  TSAN_OPTIONS=halt_on_error=1 build/check-tsan/tests/cpp/hipferry_core_tests --gtest_filter='HostPool*:SerialWorker*:TraceRecorder*:SlotRing*:InFlightWindow*:Schedule*:WorkerStream*:AdamWPipeline*:ReleaseList*:Backends/RealBackend*:MakeBackend*'
 }
 
 run_tests() {
