@@ -55,7 +55,9 @@ class FakeIoBackend final : public IoBackend {
   std::size_t depth() const override { return config_.depth; }
 
   void submit(const IoRequest& r) override {
-    if (in_flight_.size() >= config_.depth) ADD_FAILURE() << "submit with " << in_flight_.size() << " in flight, depth " << config_.depth;
+    if (in_flight_.size() >= config_.depth) {
+      ADD_FAILURE() << "submit with " << in_flight_.size() << " in flight, depth " << config_.depth;
+    }
     if (r.bytes == 0) ADD_FAILURE() << "a request of 0 bytes at offset " << r.offset;
     if (failure_returned_) ++submits_after_failure_;
     for (std::size_t k : in_flight_) check_no_overlap(records_[k].request, r);
@@ -126,9 +128,8 @@ class FakeIoBackend final : public IoBackend {
     const IoRequest& r = rec.request;
     if (config_.fail_request >= 0 && k == static_cast<std::size_t>(config_.fail_request)) return -EIO;
     const bool write = r.op == IoOp::kWrite;
-    if (write && config_.nospc_from_write >= 0 && rec.write_index >= static_cast<std::size_t>(config_.nospc_from_write)) {
-      return -ENOSPC;
-    }
+    const auto nospc_from = static_cast<std::size_t>(config_.nospc_from_write);
+    if (write && config_.nospc_from_write >= 0 && rec.write_index >= nospc_from) return -ENOSPC;
     std::size_t bytes = r.bytes;
     if (bytes > 1 && chance(config_.short_fraction)) bytes = 1 + static_cast<std::size_t>(rng_() % (bytes - 1));
     auto it = files.find(r.fd);

@@ -172,6 +172,10 @@ void IoQueue::reap(std::size_t min_complete, std::vector<std::uint64_t>* done) {
 void IoQueue::complete(const IoCompletion& c, std::vector<std::uint64_t>* done) {
   const auto slot = static_cast<std::uint32_t>(c.tag >> kSlotShift);
   const auto index = static_cast<std::uint32_t>(c.tag & kPieceMask);
+  if (slot >= transfers_.size() || !transfers_[slot].live || index >= transfers_[slot].moved.size()) {
+    throw std::logic_error(std::string(backend_.name()) + " backend: a completion with unknown tag " +
+                           std::to_string(c.tag));
+  }
   Transfer& t = transfers_[slot];
   --in_flight_;
   const std::size_t piece_start = std::size_t{index} * request_bytes_;

@@ -70,16 +70,20 @@ class IoQueue {
   // Submits what the backend's depth allows and, with `wait` and something in
   // flight, blocks for at least one completion. Appends the tokens of the
   // transfers that finished to `done`. After a failure: Note [no I/O after a
-  // failure returns], then throws the first IoFailure.
+  // failure returns], then throws the first IoFailure. A failure is a
+  // completion with -errno, a read that moves 0 bytes (the end of the file,
+  // error 0), a write that moves 0 bytes or one that reports more bytes than
+  // asked (EIO), or a backend whose submit() throws (EIO, its message).
   void poll(bool wait, std::vector<std::uint64_t>* done);
 
-  // Abandons the queue's work without failing it (the caller hit an error of
-  // its own, e.g. ChunkPipeline's compute threw): drops every transfer not
-  // yet fully submitted, waits for the requests in flight, and appends the
-  // tokens of the transfers that finished while it waited. Errors of those
-  // requests are not reported (their transfers are abandoned anyway). Then
-  // pending() == 0 and the queue takes new transfers. Additive to the
-  // lead's interface: poll() alone would submit what is queued.
+  // Abandons the queue's work without failing it, for a caller that hit an
+  // error of its own (ChunkPipeline's compute threw) and must start no new
+  // I/O, which poll() would: drops every request not yet submitted, waits
+  // for those in flight, and appends the tokens of the transfers that
+  // finished meanwhile (one with a dropped request never does). Errors of
+  // those requests are not reported; the transfers are abandoned anyway.
+  // Then pending() == 0 and the queue takes new transfers. Nothing to do on
+  // a dead queue (it drained before throwing).
   void cancel(std::vector<std::uint64_t>* done);
 
   // Transfers queued or in flight.
