@@ -327,6 +327,42 @@ TEST(IoQueue, EmptyTransfersAreReportedWithoutRequests) {
   EXPECT_TRUE(fake.records().empty());
 }
 
+// A backend whose submit() throws (a broken ring) fails the transfer like
+// an I/O error: named, after the requests in flight finished.
+struct BrokenBackend final : IoBackend {
+  FakeIoBackend& inner;
+  std::size_t submits_left;
+  BrokenBackend(FakeIoBackend& inner, std::size_t submits) : inner(inner), submits_left(submits) {}
+  const char* name() const override { return "broken"; }
+  std::size_t depth() const override { return inner.depth(); }
+  void submit(const IoRequest& r) override {
+    if (submits_left-- == 0) throw std::runtime_error("ring gone");
+    inner.submit(r);
+  }
+  std::size_t reap(IoCompletion* out, std::size_t max, std::size_t min) override { return inner.reap(out, max, min); }
+};
+
+TEST(IoQueue, ABrokenBackendFailsTheTransfer) {
+  FakeIoConfig config;
+  config.depth = 3;
+  FakeIoBackend fake(config);
+  BrokenBackend broken(fake, 5);
+  FileRef f{3, "/fake/f"};
+  fake.files[f.fd] = Bytes(1000, 1);
+  Bytes b(1000);
+  IoQueue q(broken, 100);
+  q.read(f, 0, b.data(), b.size(), 1);
+  std::vector<std::uint64_t> done;
+  try {
+    poll_until_idle(q, &done);
+    FAIL() << "the broken backend went unnoticed";
+  } catch (const IoFailure& e) {
+    EXPECT_STREQ(e.what(), "read of /fake/f at offset 500 (100 bytes): broken backend: ring gone");
+    EXPECT_EQ(e.error, EIO);
+    EXPECT_EQ(fake.in_flight(), 0u);
+  }
+}
+
 TEST(IoQueue, RejectsBadInput) {
   FakeIoBackend fake(FakeIoConfig{});
   EXPECT_THROW(IoQueue(fake, 0), std::invalid_argument);
