@@ -102,7 +102,7 @@ class DiskIo {
     HF_CHECK_VALUE(id >= 0 && static_cast<std::size_t>(id) < files_.size(), "DiskIo: no file ", id);
     return *files_[id];
   }
-  std::vector<const FileRef*> file_list(const py::handle& ids, std::size_t arrays) const;
+  std::vector<const disk::FileRef*> file_list(const py::handle& ids, std::size_t arrays) const;
   disk::ParamPass param_pass(const py::dict& d, disk::PassKind kind, std::size_t arrays, std::int64_t chunk_numel,
                              std::vector<Tensor>& keep);
 
@@ -128,8 +128,9 @@ disk::ParamPass DiskIo::param_pass(const py::dict& d, disk::PassKind kind, std::
   disk::ParamPass p;
   p.numel = d["numel"].cast<std::int64_t>();
   p.offsets = d["offsets"].cast<std::vector<std::uint64_t>>();
-  p.read_files = file_list(d.contains("read_files") ? d["read_files"] : py::none(), arrays);
-  p.write_files = file_list(d.contains("write_files") ? d["write_files"] : py::none(), arrays);
+  auto get = [&](const char* key) { return d.contains(key) ? py::object(d[key]) : py::object(py::none()); };
+  p.read_files = file_list(get("read_files"), arrays);
+  p.write_files = file_list(get("write_files"), arrays);
   const std::size_t checksums = static_cast<std::size_t>((p.numel + chunk_numel - 1) / chunk_numel) * arrays * 4;
   auto take = [&](const char* key, std::size_t bytes) -> Tensor {
     if (!d.contains(key) || d[key].is_none()) return Tensor();
@@ -201,7 +202,14 @@ void DiskIo::run_pass(const std::string& kind, const std::string& format, bool a
     torch::stable::parallel_for(0, n, grain, fn);
   };
   py::gil_scoped_release no_gil;
-  disk::run_state_pass(*queue_, buffers, c, plan);
+  try {
+    disk::run_state_pass(*queue_, buffers, c, plan);
+  } catch (...) {
+    // A queue that failed stays failed (Note [no I/O after a failure returns]); the next pass
+    // gets a new one over the same backend, which has nothing in flight now.
+    queue_ = std::make_unique<disk::IoQueue>(*backend_, request_bytes_);
+    throw;
+  }
 }
 
 }  // namespace

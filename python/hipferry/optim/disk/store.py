@@ -54,6 +54,7 @@ class DiskStore:
         if existing:
             self.manifest.load()
             self.journal.load()
+        self.resumable = len(self.manifest.params)  # folder parameters allocate() matches in order
         self.io = _C.DiskIo(options.io_backend, options.queue_depth, options.request_bytes)
         self.files: Dict[Tuple[str, int], int] = {}
         self.index: Dict[int, int] = {}   # id(param) -> manifest index
@@ -111,7 +112,7 @@ class DiskStore:
         try:
             for lp, amsgrad in params:
                 wanted = m.planned(tuple(lp.shape), lp.dtype, self._fmt(lp), amsgrad)
-                if self.matched < count:
+                if self.matched < self.resumable:
                     index = self.matched
                     why = first_mismatch(m.params[index], wanted, index)
                     if why:
@@ -128,7 +129,7 @@ class DiskStore:
         except BaseException:
             del m.params[count:]
             m.ends = ends
-            self.matched -= sum(1 for _, i, _ in entries if i < count)
+            self.matched -= sum(1 for _, i, _ in entries if i < count)  # (only matched ones are below count)
             raise
         old = [(lp, i) for lp, i, _ in entries if i < count]
         if old:
