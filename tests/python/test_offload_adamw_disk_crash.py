@@ -8,6 +8,7 @@ import multiprocessing
 import os
 import random
 import signal
+import time
 
 import pytest
 
@@ -44,10 +45,11 @@ def resumed_digest(folder: str) -> tuple:
 
 def test_kills_at_random_moments_leave_a_folder_that_resumes_exactly(tmp_path):
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "hipferry", "disk_helpers"])
+    ctx.set_forkserver_preload(["torch", "hipferry", "disk_helpers", "pytest"])  # (children re-import __main__)
     rng = random.Random(1234)
-    ref, folder, seen = Reference(), str(tmp_path / "state"), set()
+    ref, folder, seen, timings = Reference(), str(tmp_path / "state"), set(), []
     for trial in range(KILLS):
+        t0 = time.monotonic()
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=crash_child, args=(folder, LAST_STEP, child))
         proc.start()
@@ -58,10 +60,13 @@ def test_kills_at_random_moments_leave_a_folder_that_resumes_exactly(tmp_path):
         if proc.is_alive():
             os.kill(proc.pid, signal.SIGKILL)
         proc.join()
+        t1 = time.monotonic()
         k, got = resumed_digest(folder)
+        timings.append((t1 - t0, time.monotonic() - t1))
         assert k >= start, (trial, k, start)
         assert got == ref.at(k), f"kill {trial}: the state after {k} steps is not the uninterrupted run's"
         seen.add(k)
+    print("child s, resume+check s (mean):", [sum(t) / len(t) for t in zip(*timings)])
     assert len(seen) >= KILLS // 3, f"the kills landed on too few distinct steps: {sorted(seen)}"
     params = make_params(seed=5)
     opt = disk_opt(params, folder, disk=resume_options())
