@@ -68,7 +68,7 @@ class DiskStore:
         self.pool, self.window = pool, None  # (_ensure_window: sized to the state, at most window_bytes)
         self.written_last_step = 0
         self.read_last_step = 0
-        self._warned_wear = False
+        self._warned_wear = self._warned_buffered = False
 
     # ------------------------------------------------------- store interface
     def holds(self, lp: torch.Tensor, where: str) -> bool:
@@ -148,6 +148,11 @@ class DiskStore:
         key = (array, slot)
         if key not in self.files:
             self.files[key] = self.io.open(os.path.join(self.folder, file_name(array, slot)), True)
+            path, direct, note, _ = self.io.file_info(self.files[key])
+            if not direct and not self._warned_buffered:
+                self._warned_buffered = True
+                log.warning("OffloadAdamW: %s: %s (the page cache holds what is read and written, and the "
+                            "host's memory use grows with it)", path, note)
         return self.files[key]
 
     def _fd(self, array: str, slot: int) -> int:
