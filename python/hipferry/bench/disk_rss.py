@@ -70,13 +70,23 @@ def child(folder: str, numel: int, window: int, chunk: int, steps: int) -> dict:
             "first_use_bytes": first_use * 1024, "window_bytes": stats["disk_window_bytes"], "steps": steps}
 
 
-def measure(folder: str, numel: int, window: int, chunk: int, steps: int) -> dict:
-    """The child's JSON; raises RuntimeError with its stderr if it failed."""
+def start(folder: str, numel: int, window: int, chunk: int, steps: int) -> subprocess.Popen:
+    """The child, running (finish() collects it)."""
     cmd = [sys.executable, "-m", "hipferry.bench.disk_rss", folder, str(numel), str(window), str(chunk), str(steps)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ))
-    if r.returncode:
-        raise RuntimeError(f"RSS child failed (exit {r.returncode}): {r.stderr.strip()[-300:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+
+
+def finish(child_process: subprocess.Popen) -> dict:
+    """The child's JSON; raises RuntimeError with its stderr if it failed."""
+    try:
+        out, err = child_process.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        child_process.kill()
+        child_process.communicate()
+        raise RuntimeError("RSS child ran past 600 s") from None
+    if child_process.returncode:
+        raise RuntimeError(f"RSS child failed (exit {child_process.returncode}): {err.strip()[-300:]}")
+    return json.loads(out.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":
