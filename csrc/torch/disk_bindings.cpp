@@ -193,14 +193,14 @@ void DiskIo::run_pass(const std::string& kind, const std::string& format, bool a
   HF_CHECK_VALUE(chunk_numel > 0 && chunk_numel % disk::kChunkQuantum == 0, kFn,
                  "chunk_numel must be a positive multiple of 2^18, got ", chunk_numel);
   const std::size_t arrays = disk::state_arrays(c.format, amsgrad).size();
-  const std::size_t each = disk::chunk_buffer_bytes(c.format, amsgrad, chunk_numel);
+  std::vector<Tensor> keep;
+  std::vector<disk::ParamPass> plan;
+  for (const py::handle& d : params) plan.push_back(param_pass(d.cast<py::dict>(), c.kind, arrays, chunk_numel, keep));
+  const std::size_t each = disk::pass_buffer_bytes(c, plan);
   Tensor w = cpu_tensor(window, "window", each);
   std::vector<void*> buffers;
   auto* base = static_cast<std::uint8_t*>(w.mutable_data_ptr());
   for (std::size_t at = 0; at + each <= nbytes_of(w); at += each) buffers.push_back(base + at);
-  std::vector<Tensor> keep;
-  std::vector<disk::ParamPass> plan;
-  for (const py::handle& d : params) plan.push_back(param_pass(d.cast<py::dict>(), c.kind, arrays, chunk_numel, keep));
   c.parallel = [](std::int64_t n, std::int64_t grain, const std::function<void(std::int64_t, std::int64_t)>& fn) {
     torch::stable::parallel_for(0, n, grain, fn);
   };

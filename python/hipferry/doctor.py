@@ -7,7 +7,7 @@ import os
 import platform as py_platform
 import sys
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -177,6 +177,36 @@ def optimizer_self_test(device: str) -> str:
     return f"OffloadAdamW steps bit-identical to the CPU reference (engines: {', '.join(engines)}; {device})"
 
 
+def disk_self_test(folder: Optional[str] = None) -> str:
+    """OffloadAdamW(state_dir=...) in a temporary folder (under `folder`, default
+    HIPFERRY_STATE_DIR or the system's temp folder): three steps against the
+    optimizer with its state in memory, bit for bit; which I/O path runs, and why."""
+    import tempfile
+    from .optim import DiskOptions, OffloadAdamW
+    base = folder or os.environ.get("HIPFERRY_STATE_DIR") or tempfile.gettempdir()
+    gen = torch.Generator().manual_seed(0)
+    values = [torch.randn(300_000, generator=gen), torch.randn(1000, generator=gen).bfloat16()]
+    with tempfile.TemporaryDirectory(dir=base, prefix="hipferry-doctor-") as d:
+        params = [torch.nn.Parameter(v.clone()) for v in values]
+        twins = [torch.nn.Parameter(v.clone()) for v in values]
+        opt = OffloadAdamW(params, state_dir=d, disk=DiskOptions(chunk_numel=1 << 18, window_bytes=16 << 20))
+        ref = OffloadAdamW(twins)
+        for step in range(3):
+            for ps, o in ((params, opt), (twins, ref)):
+                for p in ps:
+                    p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(step)).to(p.dtype)
+                o.step()
+        stats = opt.memory_stats()
+        del opt
+        for p, q in zip(params, twins):
+            if not torch.equal(p.detach(), q.detach()):
+                raise RuntimeError(f"OffloadAdamW(state_dir=...) in {base} differs from the in-memory optimizer")
+    note = stats["io_backend_note"]
+    io = stats["io_backend"] + (f" ({note})" if note and note != stats["io_backend"] else "")
+    direct = "O_DIRECT" if stats["direct_io"] else f"buffered ({stats['direct_io_note']})"
+    return f"state on disk in {base}: {io}, {direct}; steps bit-identical to the in-memory optimizer"
+
+
 def module_offload_self_test(device: str) -> str:
     """A 4-block MLP with offload_layers (prefetch 1) and offload_activations
     against the same model without them on `device`: the outputs and every
@@ -276,6 +306,10 @@ def run(quick: bool = False) -> int:
             w(f"  module offload  {module_offload_self_test('cuda' if runtime_devices > 0 and torch_devices > 0 else 'cpu')}\n")
         except RuntimeError as e:
             problems.append(f"module offload self-test failed: {e}")
+        try:
+            w(f"  disk state      {disk_self_test()}\n")
+        except (RuntimeError, OSError, ValueError) as e:
+            problems.append(f"disk state self-test failed: {e}")
         try:
             w(f"  pinned pool     {describe_pool(runtime_devices > 0 and torch_devices > 0)}\n")
         except RuntimeError as e:

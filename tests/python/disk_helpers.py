@@ -25,7 +25,7 @@ def make_params(seed: int = 0, dtypes=(torch.float32, torch.bfloat16)) -> List[t
 def set_grads(params: List[torch.Tensor], step: int) -> None:
     for i, p in enumerate(params):
         g = torch.Generator().manual_seed(1000 * step + i)
-        p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+        p.grad = torch.randn(p.shape, generator=g).to(p.device, p.dtype)
         if p.grad.dim() == 2 and p.stride() != p.grad.stride():
             p.grad = p.grad.t().contiguous().t()
 

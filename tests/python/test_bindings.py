@@ -96,6 +96,39 @@ def call_optimizer_bindings():
     streamer.synchronize()
     assert torch.equal(q, p) and streamer.chunk_numel == 64 and streamer.slots == 2
     assert _C._bits_equal(p, q.clone()) and not _C._bits_equal(p, torch.zeros(10))
+    r = torch.ones(10)
+    hyper = dict(lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, amsgrad=False, maximize=False)
+    _C._adamw_step_many_([r], [g], [torch.zeros(10)], [torch.zeros(10)], [None], [None], [1], [hyper], [False])
+    assert torch.equal(r, p)
+    return True
+
+
+def call_disk_bindings():
+    import tempfile
+    data = torch.frombuffer(bytearray(b"123456789"), dtype=torch.uint8)
+    assert _C._crc32c(data) == 0xE3069283 and isinstance(_C._crc32c_hardware(), bool)
+    regions = _C._disk_regions("float32", False, 10)
+    assert regions == [4096] * 3 and _C._disk_chunk_buffer_bytes("uint8", False, 1 << 18) == (4 + 1 + 1) * (1 << 18) + 2 * 4096
+    with tempfile.TemporaryDirectory(dir=".") as d:
+        io = _C.DiskIo("threads", 4, 1 << 20)
+        files = [io.open(f"{d}/a{i}", True) for i in range(3)]
+        for f in files:
+            io.reserve(f, 4096)
+        window = torch.zeros(2 * _C._disk_chunk_buffer_bytes("float32", False, 1 << 18) + 4096, dtype=torch.uint8)
+        window = window[(-window.data_ptr()) % 4096:][:2 * _C._disk_chunk_buffer_bytes("float32", False, 1 << 18)]
+        crc = torch.zeros(3, dtype=torch.int32)
+        io.run_pass("fill", "float32", False, 1 << 18, window, [dict(numel=10, offsets=[0, 0, 0], write_files=files,
+                    crc_out=crc, source=torch.arange(10.0), fill_bytes=[0, 0, 0])])
+        out = torch.zeros(10)
+        io.run_pass("read", "float32", False, 1 << 18, window, [dict(numel=10, offsets=[0, 0, 0], read_files=files,
+                    crc_in=crc, out=out, dests=[])])
+        assert torch.equal(out, torch.arange(10.0)) and io.counters()["bytes_written"] == 3 * 4096
+        bad = crc.clone()
+        bad[1] ^= 1
+        with pytest.raises(_C.ChecksumError, match="checksum mismatch"):
+            io.run_pass("read", "float32", False, 1 << 18, window, [dict(numel=10, offsets=[0, 0, 0],
+                        read_files=files, crc_in=bad, dests=[])])
+        io.close()
     return True
 
 
@@ -208,7 +241,9 @@ ENTRIES = {
     **dict.fromkeys(["start_prefetch", "start_offload", "Transfer", "transfer_drain", "poll_transfer_releases",
                      "transfer_stats", "transfer_batched_copy"], call_transfer_bindings),
     **dict.fromkeys(["trace_active", "trace_start", "trace_now_ns", "trace_add", "trace_stop"], call_trace_bindings),
-    **dict.fromkeys(["_adamw_step_", "AdamWStreamer", "_bits_equal"], call_optimizer_bindings),
+    **dict.fromkeys(["_adamw_step_", "_adamw_step_many_", "AdamWStreamer", "_bits_equal"], call_optimizer_bindings),
+    **dict.fromkeys(["DiskIo", "ChecksumError", "_crc32c", "_crc32c_hardware", "_disk_regions",
+                     "_disk_chunk_buffer_bytes"], call_disk_bindings),
     **dict.fromkeys(["_adamw8bit_step_", "_quantize_blockwise_8bit", "_dequantize_blockwise_8bit",
                      "_dynamic_map_8bit"], call_8bit_optimizer_bindings),
     **dict.fromkeys(["LayerCopier", "LayerCopyTicket", "InFlightWindow"], call_scheduling_bindings),

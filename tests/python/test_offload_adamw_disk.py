@@ -11,6 +11,8 @@ import torch
 from hipferry import _C
 from hipferry.optim import DiskOptions, OffloadAdamW
 
+from conftest import requires_gpu
+
 from disk_helpers import (CHUNK, assert_same_params, assert_same_state, disk_opt, make_params, ram_opt,
                           set_grads, state_tensors, train)
 
@@ -216,3 +218,26 @@ def test_crc32c_matches_the_reference_package():
         data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
         assert _C._crc32c(data) == crc32c.crc32c(bytes(data.numpy()))
     assert _C._crc32c(torch.frombuffer(bytearray(b"123456789"), dtype=torch.uint8)) == 0xE3069283
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_parameters_step_on_the_host_with_state_on_disk(tmp_path, dtype):
+    """GPU parameters (step_on='cpu'): host gradient copies, the disk step into a host buffer, the new
+    values back to the device; equal to the in-memory optimizer's CPU engine."""
+    a = [torch.nn.Parameter(p.detach().to("cuda", dtype)) for p in make_params()]
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    ram, disk = ram_opt(a, step_on="cpu"), disk_opt(b, tmp_path, step_on="cpu")
+    for k in range(3):
+        for params, opt in ((a, ram), (b, disk)):
+            set_grads(params, k)
+            opt.step()
+        torch.cuda.synchronize()
+        assert_same_params([p.cpu() for p in a], [p.cpu() for p in b])
+    b[0].data.mul_(0.5)  # a write on the device is taken at the next step
+    a[0].data.mul_(0.5)
+    for params, opt in ((a, ram), (b, disk)):
+        set_grads(params, 3)
+        opt.step()
+    torch.cuda.synchronize()
+    assert_same_params([p.cpu() for p in a], [p.cpu() for p in b])

@@ -59,11 +59,19 @@ void check_plan(const PassConfig& c, const std::vector<ParamPass>& params, std::
   }
 }
 
+// The longest chunk of the pass: chunk_numel, or less when every parameter is smaller
+// (rounded up to kChunkQuantum, so every array's part of a buffer stays page aligned).
+std::int64_t longest_chunk(const PassConfig& c, const std::vector<ParamPass>& params) {
+  std::int64_t longest = 0;
+  for (const ParamPass& p : params) longest = std::max(longest, std::min(p.numel, c.chunk_numel));
+  return std::max<std::int64_t>(kChunkQuantum, (longest + kChunkQuantum - 1) / kChunkQuantum * kChunkQuantum);
+}
+
 class Pass {
  public:
   Pass(const PassConfig& c, std::vector<ParamPass>& params)
       : c_(c), params_(params), arrays_(state_arrays(c.format, c.amsgrad)),
-        offsets_(buffer_offsets(arrays_, c.chunk_numel)) {
+        offsets_(buffer_offsets(arrays_, longest_chunk(c, params))) {
     for (std::size_t i = 0; i < params.size(); ++i) {
       for (std::int64_t b = 0, k = 0; b < params[i].numel; b += c.chunk_numel, ++k) {
         chunks_.push_back({i, k, b, std::min(c.chunk_numel, params[i].numel - b)});
@@ -243,6 +251,10 @@ std::uint64_t region_bytes(const ArrayFormat& f, std::int64_t n) { return round_
 
 std::size_t chunk_buffer_bytes(StateFormat format, bool amsgrad, std::int64_t chunk_numel) {
   return buffer_offsets(state_arrays(format, amsgrad), chunk_numel).back();
+}
+
+std::size_t pass_buffer_bytes(const PassConfig& config, const std::vector<ParamPass>& params) {
+  return chunk_buffer_bytes(config.format, config.amsgrad, longest_chunk(config, params));
 }
 
 void run_state_pass(IoQueue& queue, const std::vector<void*>& window, const PassConfig& config,

@@ -100,8 +100,12 @@ struct PassConfig {
   ParallelFor parallel;
 };
 
+// The window buffer a pass needs: chunk_buffer_bytes() of the longest chunk
+// its parameters have (small parameters need less than chunk_numel).
+std::size_t pass_buffer_bytes(const PassConfig& config, const std::vector<ParamPass>& params);
+
 // Runs the pass over every chunk of every parameter, `window` buffers of
-// chunk_buffer_bytes() each (page aligned). Throws IoFailure,
+// pass_buffer_bytes() each (page aligned). Throws IoFailure,
 // ChecksumMismatch, or std::invalid_argument for a bad plan, before any I/O.
 // A kStep pass that fails part way restores `out` of every chunk it stepped
 // from the master it read (the slot read is untouched), then rethrows: the

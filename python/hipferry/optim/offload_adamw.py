@@ -10,7 +10,8 @@ Design and API: docs/offload-adamw-plan.md. The optimizer is cut by role:
   host steps the next parameter; grad_copies.py) and GPU-streamed
   (step_on="gpu": the state streams through a ring of device buffers);
 - overlap="backward" (overlap.py, speculation.py): steps during backward;
-- persistence (persistence.py): state_dict, load_state_dict, pickling.
+- persistence (persistence.py): state_dict, load_state_dict, pickling;
+- state_dir=...: the state in files (disk/, docs/disk-state.md).
 Small GPU parameters keep their state on the device and step there.
 """
 import contextlib
@@ -214,15 +215,10 @@ class OffloadAdamW(StatePersistence, torch.optim.Optimizer):
         jobs, parameters without pool room, commits that copied the state, scratch bytes (README)."""
         return dict(NO_OVERLAP_STATS) if self._overlap is None else self._overlap.stats()
 
-    @property
-    def grad_copies_reused(self) -> int:
-        """CPU engine, GPU parameters: gradient copies from backward that step() used."""
-        return self._grad_copies.reused
-
-    @property
-    def grad_copies_made_at_step(self) -> int:
-        """... and copies step() had to make itself (none, or a changed gradient)."""
-        return self._grad_copies.made_at_step
+    # CPU engine, GPU parameters: gradient copies from backward that step() used, and copies
+    # step() had to make itself (none, or a changed gradient).
+    grad_copies_reused = property(lambda self: self._grad_copies.reused)
+    grad_copies_made_at_step = property(lambda self: self._grad_copies.made_at_step)
 
     # ----------------------------------------------------------------- step
     @torch.no_grad()
@@ -298,12 +294,7 @@ class OffloadAdamW(StatePersistence, torch.optim.Optimizer):
             if spec is not None and slot.where == "host":
                 it.committed = spec.try_commit(p, st, it.hyper, it.step, it.grad)
         if on_disk:  # first: the step most likely to fail (I/O), and it changes nothing when it does
-            try:
-                self._disk.step(on_disk)
-            except BaseException:
-                for it in on_disk:
-                    it.st["step"] -= 1
-                raise
+            self._disk.step(on_disk)
         self._in_place.step(in_place)
         if streamed:
             self._streamed.step(streamed)

@@ -23,12 +23,17 @@ class DiskEngine:
 
     def step(self, items: List[StepItem]) -> None:
         plans, back, remote = [], [], []
-        for it in items:
-            plan, copy_back = self._plan(it)
-            plans.append(plan)
-            back.append(copy_back)
-        with span(f"disk step of {len(items)} parameters", TRACK_STEP, nbytes=sum(it.p.nbytes for it in items)):
-            self.store.step(plans)
+        try:
+            for it in items:
+                plan, copy_back = self._plan(it)
+                plans.append(plan)
+                back.append(copy_back)
+            with span(f"disk step of {len(items)} parameters", TRACK_STEP, nbytes=sum(it.p.nbytes for it in items)):
+                self.store.step(plans)
+        except BaseException:  # nothing was stepped (DiskStore.step undoes a failed one): nor are the counts
+            for it in items:
+                it.st["step"] -= 1
+            raise
         for it, copy_back in zip(items, back):
             lp = local(it.p)
             if lp.device.type == "cpu":

@@ -19,7 +19,7 @@ from ..layout import memory_flat
 from ..slots import step_dtype
 from .journal import FolderLock, Journal
 from .layout import Manifest, arrays_of, file_name, first_mismatch
-from .options import DiskOptions
+from .options import QUANTUM, DiskOptions
 
 log = logging.getLogger("hipferry.optim")
 PAGE = 4096
@@ -65,7 +65,7 @@ class DiskStore:
             raise ValueError(f"OffloadAdamW: disk.window_bytes={options.window_bytes} holds fewer than 2 chunks "
                              f"of {need} bytes (chunk_numel={self.manifest.chunk_numel}); raise window_bytes or "
                              "lower chunk_numel")
-        self.window = _page_aligned(pool, options.window_bytes)
+        self.pool, self.window = pool, None  # (_ensure_window: sized to the state, at most window_bytes)
         self.written_last_step = 0
         self.read_last_step = 0
         self._warned_wear = False
@@ -124,6 +124,7 @@ class DiskStore:
                     m.add(wanted)
                 entries.append((lp, index, wanted))
             new = [(lp, i, w) for lp, i, w in entries if i >= count]
+            self._ensure_window()
             if new:
                 self._create(new, ends)
         except BaseException:
@@ -206,6 +207,19 @@ class DiskStore:
             for flat, out in back:
                 if out is not flat:
                     flat.copy_(out)
+
+    def _ensure_window(self) -> None:
+        """Window buffers for the longest chunk any parameter has, as many as fit in
+        window_bytes, and no more than the state has chunks."""
+        m = self.manifest
+        if not m.params:
+            return
+        longest = max(min(w["numel"], m.chunk_numel) for w in m.params)
+        buf = _C._disk_chunk_buffer_bytes("float32", True, -(-longest // QUANTUM) * QUANTUM)  # (the largest format)
+        chunks = sum(m.chunks(i) for i in range(len(m.params)))
+        size = max(1, min(self.options.window_bytes // buf, chunks)) * buf
+        if self.window is None or self.window.numel() < size:
+            self.window = _page_aligned(self.pool, size)
 
     def _run(self, kind: str, fmt: str, amsgrad: bool, params: List[dict]) -> None:
         self.io.run_pass(kind, fmt, amsgrad, self.manifest.chunk_numel, self.window, params)
@@ -292,7 +306,7 @@ class DiskStore:
         return {"disk_state_bytes": sum(2 * e for e in self.manifest.ends.values()),
                 "disk_bytes_written_per_step": self.written_last_step,
                 "disk_bytes_read_per_step": self.read_last_step,
-                "disk_window_bytes": self.window.numel(), "io_backend": self.io.backend,
+                "disk_window_bytes": 0 if self.window is None else self.window.numel(), "io_backend": self.io.backend,
                 "io_backend_note": self.io.note, "direct_io": all(i[1] for i in infos) if infos else None,
                 "direct_io_note": next((i[2] for i in infos if i[2]), ""), "disk_steps": self.journal.steps}
 
