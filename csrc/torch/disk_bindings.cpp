@@ -7,6 +7,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -93,6 +95,7 @@ class DiskIo {
 
   void run_pass(const std::string& kind, const std::string& format, bool amsgrad, std::int64_t chunk_numel,
                 py::handle window, const py::list& params);
+  void raw_pass(const std::string& op, int id, std::uint64_t bytes, py::handle window);
 
   std::string backend_name() const { return backend_->name(); }
   const std::string& note() const { return note_; }
@@ -212,6 +215,41 @@ void DiskIo::run_pass(const std::string& kind, const std::string& format, bool a
   }
 }
 
+// Bytes [0, bytes) of a file read into / written from the window's request-sized
+// buffers, the queue kept as deep as the backend allows: what the disk gives this
+// I/O path without the state pass's compute (the disk bench's own reader/writer).
+void DiskIo::raw_pass(const std::string& op, int id, std::uint64_t bytes, py::handle window) {
+  constexpr const char* kRaw = "hipferry DiskIo.raw_pass: ";
+  HF_CHECK_VALUE(queue_ != nullptr, "DiskIo: closed");
+  HF_CHECK_VALUE(op == "read" || op == "write", kRaw, "op must be 'read' or 'write', got '", op, "'");
+  HF_CHECK_VALUE(bytes % 4096 == 0, kRaw, "bytes must be a multiple of 4096 (O_DIRECT), got ", bytes);
+  const FileRef& f = file(id).file;
+  Tensor w = cpu_tensor(window, "window", request_bytes_);
+  auto* base = static_cast<std::uint8_t*>(w.mutable_data_ptr());
+  HF_CHECK_VALUE(reinterpret_cast<std::uintptr_t>(base) % 4096 == 0, kRaw, "window must start on a 4096-byte page");
+  std::vector<std::uint64_t> free_buffers, done;
+  for (std::uint64_t b = 0; b < nbytes_of(w) / request_bytes_; ++b) free_buffers.push_back(b);
+  py::gil_scoped_release no_gil;
+  try {
+    std::uint64_t next = 0;
+    while (next < bytes || queue_->pending() > 0) {
+      for (; next < bytes && !free_buffers.empty(); free_buffers.pop_back()) {
+        const std::uint64_t b = free_buffers.back();
+        const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(request_bytes_, bytes - next));
+        if (op == "read") queue_->read(f, next, base + b * request_bytes_, n, b);
+        else queue_->write(f, next, base + b * request_bytes_, n, b);
+        next += n;
+      }
+      done.clear();
+      queue_->poll(true, &done);
+      free_buffers.insert(free_buffers.end(), done.begin(), done.end());
+    }
+  } catch (...) {
+    queue_ = std::make_unique<disk::IoQueue>(*backend_, request_bytes_);  // (as run_pass: a failed queue stays failed)
+    throw;
+  }
+}
+
 }  // namespace
 
 void set_disk_backend_wrapper(DiskBackendWrapper wrapper) { g_backend_wrapper = wrapper; }
@@ -246,7 +284,11 @@ void bind_disk(py::module_& m) {
                           std::int64_t chunk_numel, py::handle window, const py::list& params) {
         translate_errors([&] { d.run_pass(kind, format, amsgrad, chunk_numel, window, params); });
       }, py::arg("kind"), py::arg("format"), py::arg("amsgrad"), py::arg("chunk_numel"), py::arg("window"),
-         py::arg("params"));
+         py::arg("params"))
+      .def("raw_pass", [](DiskIo& d, const std::string& op, int file, std::uint64_t bytes, py::handle window) {
+        translate_errors([&] { d.raw_pass(op, file, bytes, window); });
+      }, py::arg("op"), py::arg("file"), py::arg("bytes"), py::arg("window"),
+         "Reads or writes bytes [0, bytes) of a file through the queue (no compute): the disk bench's reader/writer.");
   m.def("_disk_regions", [](const std::string& format, bool amsgrad, std::int64_t numel) {
     std::vector<std::uint64_t> out;
     for (const auto& f : disk::state_arrays(format_of(format), amsgrad)) out.push_back(disk::region_bytes(f, numel));

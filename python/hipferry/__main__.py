@@ -16,6 +16,9 @@ def main(argv=None) -> int:
     bench.add_argument("--repeats", type=int, default=5, help="interleaved rounds, best kept")
     bench.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                        help="auto: add GPU cases when a GPU is visible")
+    bench.add_argument("--disk-dir", default=None,
+                       help="suite disk: folder on the disk to measure (default: $HIPFERRY_BENCH_DISK_DIR, else "
+                            "the current directory); a temporary subfolder is used and removed")
     bench.add_argument("--list", action="store_true", help="list suites and exit")
     tl = sub.add_parser("timeline", help="draw a trace saved by hipferry.trace(path) as a PNG")
     tl.add_argument("trace", help="Chrome/Perfetto trace JSON written by hipferry.trace()")
@@ -44,7 +47,8 @@ def main(argv=None) -> int:
         device = "cuda" if device_count() > 0 and torch.cuda.is_available() else "cpu"
     elif device == "cuda" and device_count() == 0:
         parser.error("--device cuda: no GPU visible to hipferry")
-    ctx = bench_mod.Context(quick=args.quick, max_bytes=args.max_bytes, repeats=args.repeats, device=device)
+    ctx = bench_mod.Context(quick=args.quick, max_bytes=args.max_bytes, repeats=args.repeats, device=device,
+                            disk_dir=args.disk_dir)
     try:
         bench_mod.run(args.suites, args.out, ctx)
     except ValueError as e:

@@ -263,3 +263,40 @@ def test_bar_plot_skips_rows_without_a_number(tmp_path):
     path = tmp_path / "bars.png"
     assert bench.write_plot(str(path), {"kind": "bar", "x": "contender", "y": "value", "series": "regime"}, rows)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_disk_suite_measures_the_disk_and_the_steps_on_the_named_folder(tmp_path):
+    import shutil
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    r = subprocess.run([sys.executable, "-m", "hipferry", "bench", "disk", "--quick", "--disk-dir", str(disk),
+                        "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "[disk] 1/" in r.stderr and "steps: round 1/1" in r.stderr  # progress
+    assert list(disk.iterdir()) == []  # its work folder is removed
+    doc = json.loads((tmp_path / "out" / "disk.json").read_text())
+    rows = {(row["measure"], row["contender"]): row for row in doc["rows"]}
+    speed = {c: row["GBps"] for (m, c), row in rows.items() if m == "disk speed"}
+    assert {"own reader (DiskIo.raw_pass)", "own writer (DiskIo.raw_pass)"} <= set(speed)
+    if shutil.which("fio"):
+        assert {"fio read (io_uring, direct)", "fio write (io_uring, direct)"} <= set(speed)
+    assert all(v > 0 for v in speed.values())
+    steps = {c: row for (m, c), row in rows.items() if m == "step"}
+    assert set(steps) == {"step float32 state, io auto", "step float32 state, io threads", "step 8-bit state"}
+    assert steps["step float32 state, io threads"]["io_backend"] == "threads"
+    state_mib = 4 * 8  # float32 state = 4 windows of 8 MiB: each step reads it and writes it once
+    for name in ("step float32 state, io auto", "step float32 state, io threads"):
+        assert state_mib - 0.1 <= steps[name]["read_MiB"] == steps[name]["written_MiB"] <= state_mib + 1
+        assert 0 < steps[name]["efficiency"] and steps[name]["seconds"] > 0
+    assert 0.4 < steps["step 8-bit state"]["ratio"] <= 0.55  # bytes, not time: the same on any machine
+    [rss] = [row for (m, _), row in rows.items() if m == "peak RSS growth"]
+    assert 0 < rss["ratio"] and rss["window_MiB"] == 8
+    verdicts = [n for n in doc["notes"] if n.startswith("target ")]
+    assert len(verdicts) == 4 and all(": met: " in n or ": MISSED: " in n for n in verdicts)
+    assert (tmp_path / "out" / "disk.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_disk_suite_refuses_a_folder_that_does_not_exist(tmp_path, capsys):
+    missing = tmp_path / "nope"
+    code, _, err = run_main(["bench", "disk", "--quick", "--disk-dir", str(missing), "--out", str(tmp_path)], capsys)
+    assert code == 2 and f"--disk-dir {str(missing)!r} is not a directory" in err

@@ -129,6 +129,7 @@ def call_disk_bindings():
             io.run_pass("read", "float32", False, 1 << 18, window, [dict(numel=10, offsets=[0, 0, 0],
                         read_files=files, crc_in=bad, dests=[])])
         io.close()
+        check_disk_raw_pass(d)
     return True
 
 
@@ -171,6 +172,25 @@ def call_scheduling_bindings():
     assert settled == [True] and window.bytes == 0 and window.peak_bytes == 24
     assert not window.withdraw(entry) and window.settle() >= 0 and window.waits >= 0
     return True
+
+
+def check_disk_raw_pass(d):
+    """DiskIo.raw_pass (the disk bench's own reader/writer): bytes written come back, errors are clear."""
+    io = _C.DiskIo("threads", 4, 1 << 16)
+    f = io.open(f"{d}/raw.dat", True)
+    io.reserve(f, 1 << 20)
+    window = hipferry.default_pool().empty(4 << 16, dtype=torch.uint8, alignment=4096)
+    window.fill_(7)
+    io.raw_pass("write", f, 1 << 20, window)
+    io.sync(f)
+    window.zero_()
+    io.raw_pass("read", f, 1 << 20, window)
+    assert torch.all(window == 7) and io.counters()["bytes_read"] == io.counters()["bytes_written"] == 1 << 20
+    with pytest.raises(ValueError, match="op must be 'read' or 'write'"):
+        io.raw_pass("append", f, 4096, window)
+    with pytest.raises(OSError):
+        io.raw_pass("read", f, 2 << 20, window)  # past the end of the file
+    io.close()
 
 
 def call_platform_bindings():

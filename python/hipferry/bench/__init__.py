@@ -28,6 +28,7 @@ class Context:
     repeats: int = 5
     device: str = "cpu"          # where the suites run: "cpu" or "cuda"
     out_dir: Optional[str] = None  # set by run(): where suites may write extra files
+    disk_dir: Optional[str] = None  # suite disk: the folder on the disk to measure (default: the current one)
 
     def progress(self, suite_name: str, i: int, n: int, what: str) -> None:
         sys.stderr.write(f"[{suite_name}] {i}/{n} {what}\n")
@@ -153,7 +154,8 @@ def available() -> List[str]:
 
 def _load_suites() -> None:
     # The suites register themselves.
-    from . import copy_cast_suite, layers_suite, offload_suite, optim_suite, pool_suite, transfer_suite  # noqa: F401
+    from . import (copy_cast_suite, disk_suite, layers_suite, offload_suite, optim_suite, pool_suite,  # noqa: F401
+                   transfer_suite)
 
 
 def prepare_out_dir(out_dir: str) -> None:
