@@ -38,6 +38,10 @@ std::vector<std::size_t> buffer_offsets(const std::vector<ArrayFormat>& arrays, 
   return out;
 }
 
+bool all_open(const std::vector<const FileRef*>& files) {
+  return std::all_of(files.begin(), files.end(), [](const FileRef* f) { return f != nullptr; });
+}
+
 void check_plan(const PassConfig& c, const std::vector<ParamPass>& params, std::size_t arrays) {
   if (c.chunk_numel <= 0 || c.chunk_numel % kChunkQuantum != 0) {
     throw std::invalid_argument("run_state_pass: chunk_numel must be a positive multiple of 2^18");
@@ -50,7 +54,10 @@ void check_plan(const PassConfig& c, const std::vector<ParamPass>& params, std::
                     (!writes || p.write_files.size() == arrays) && (!reads || p.crc_in) && (!writes || p.crc_out) &&
                     (c.kind != PassKind::kStep || p.grad) && (c.kind != PassKind::kFill || p.source) &&
                     (c.kind == PassKind::kStep || c.kind == PassKind::kRead || p.fill_bytes.size() == arrays) &&
-                    (c.kind != PassKind::kLoad || p.sources.size() == arrays);
+                    (c.kind != PassKind::kLoad || p.sources.size() == arrays) &&
+                    // A null file would only be found when its chunk is planned, after
+                    // other chunks' I/O (and a step's changes to `out`) began.
+                    all_open(p.read_files) && all_open(p.write_files);
     if (!ok) {
       std::ostringstream m;
       m << "run_state_pass: parameter " << i << " has an incomplete plan for this pass";
