@@ -110,7 +110,7 @@ def test_a_pool_sized_for_the_state_alone_trains_without_overlap(remote):
 @pytest.mark.parametrize("remote, dtype, per_element", [
     (False, torch.float32, 16), (False, torch.bfloat16, 16), (True, torch.float32, 12), (True, torch.bfloat16, 14)])
 def test_the_scratch_takes_what_the_readme_says(remote, dtype, per_element):
-    """Pool bytes of scratch per parameter element (README; hipferry/optim/scratch.py)."""
+    """Pool bytes of scratch per parameter element (docs/optimizer.md; hipferry/optim/scratch.py)."""
     model = make_model(dtype)
     opt = (CpuRemoteOffloadAdamW if remote else OffloadAdamW)(model.parameters(), overlap="backward", **KW)
     for x in batches(dtype, 2):

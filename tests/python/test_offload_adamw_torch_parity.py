@@ -1228,7 +1228,7 @@ WRITE_CASES = [pytest.param(e, dtype, id=f"{eid}-{tag}", marks=m)
 # Every way torch's own tests (test_optim, common_optimizers' TensorTracker, the SWA tests) and common
 # client code write parameters between steps. Those the optimizer sees by itself change the version
 # counter, the storage or the strides (param_key); the "+reload_params" ones change none of them, so
-# the user says so (README, "Writes to parameters outside step()").
+# the user says so (docs/optimizer.md, parameters written outside step()).
 WRITES = ["model.load_state_dict", "vector_to_parameters", "copy_under_no_grad", "data_assign",
           "detach_copy", "view_copy", "setitem", "foreach_copy", "set_", "swap_tensors",
           "data_copy+reload_params", "data_copy+reload_params_subset", "numpy_write+reload_params",

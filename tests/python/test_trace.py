@@ -1,5 +1,5 @@
 """hipferry.trace() and trace_region(): the events recorded around prefetch /
-offload (spec: docs/transfer-engine-plan.md, "Trace") and the Chrome /
+offload (spec: docs/transfers.md, "Timeline") and the Chrome /
 Perfetto JSON they are saved as. Run on the CPU worker, and on a GPU when one
 is present."""
 import json

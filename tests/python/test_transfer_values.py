@@ -1,6 +1,6 @@
 """Transfers: values arrive exactly -- every dtype, fused conversions, structures (any Mapping too:
 Note [transfer structures] in transfer.py), views, sizes and sources (spec:
-docs/transfer-engine-plan.md, "The Python API (issue 4)")."""
+docs/transfers.md, "Async transfers")."""
 import re
 from collections import OrderedDict, UserDict, namedtuple
 from collections.abc import Mapping

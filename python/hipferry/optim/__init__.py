@@ -1,4 +1,4 @@
-"""Optimizers whose state lives in host memory (docs/offload-adamw-plan.md)."""
+"""Optimizers whose state lives in host memory (docs/optimizer.md)."""
 from .calibration import calibrate
 from .disk.options import DiskOptions
 from .offload_adamw import OffloadAdamW

@@ -1,6 +1,6 @@
 """OffloadAdamW: torch.optim.AdamW whose state lives in pinned host memory.
 
-Design and API: docs/offload-adamw-plan.md. The optimizer is cut by role:
+Design and API: docs/optimizer.md. The optimizer is cut by role:
 - this class: construction, the checks of step(), which engine steps which
   parameter, zero_grad, clipping and writes made outside step();
 - the state store (state_store.py): where master, m and v live and in what
@@ -212,7 +212,7 @@ class OffloadAdamW(StatePersistence, torch.optim.Optimizer):
 
     def overlap_stats(self) -> dict:
         """overlap="backward": speculative steps started, committed and redone at step(), failed
-        jobs, parameters without pool room, commits that copied the state, scratch bytes (README)."""
+        jobs, parameters without pool room, commits that copied the state, scratch bytes (docs/optimizer.md)."""
         return dict(NO_OVERLAP_STATS) if self._overlap is None else self._overlap.stats()
 
     # CPU engine, GPU parameters: gradient copies from backward that step() used, and copies

@@ -1,5 +1,5 @@
 """OffloadAdamW's step during backward, `overlap="backward"` (issues 26 and 31;
-docs/offload-adamw-overlap-plan.md): CPU parameters, and GPU parameters the
+docs/optimizer.md, "Stepping during backward"): CPU parameters, and GPU parameters the
 CPU engine steps from host copies.
 
 Note [speculative step]
