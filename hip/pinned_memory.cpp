@@ -144,8 +144,12 @@ std::unique_ptr<pool::HostMemoryProvider> make_host_memory_provider(const std::s
     if (rt::device_count() == 0) return std::make_unique<pool::AlignedHostMemoryProvider>(true);
     return std::make_unique<HostAllocProvider>(flags);
   }
-  throw std::invalid_argument("hipferry pinned pool: provider must be 'auto', 'host_alloc', 'register' or "
-                              "'pageable', got '" + kind + "'");
+  std::string choices;
+  for (std::size_t i = 0; i < kHostMemoryProviders.size(); ++i) {
+    choices += (i == 0 ? "'" : i + 1 == kHostMemoryProviders.size() ? " or '" : ", '");
+    choices += std::string(kHostMemoryProviders[i]) + "'";
+  }
+  throw std::invalid_argument("hipferry pinned pool: provider must be " + choices + ", got '" + kind + "'");
 }
 
 namespace {

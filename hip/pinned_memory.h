@@ -3,6 +3,7 @@
 // events). Vendor-free like runtime.h; the torch glue picks one by name.
 #pragma once
 
+#include <array>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -56,9 +57,12 @@ class RuntimeEventSource : public pool::UseEventSource {
   std::vector<std::vector<std::unique_ptr<rt::Event>>> free_;  // by device
 };
 
+// The providers by name (hipferry._C.HOST_MEMORY_PROVIDERS, which PinnedPool checks against):
 // "auto" (hipHostMalloc when a device is present, else ordinary memory),
-// "host_alloc", "register" or "pageable". Throws std::invalid_argument naming
-// the choices for anything else.
+// "host_alloc", "register" or "pageable".
+inline constexpr std::array<const char*, 4> kHostMemoryProviders = {"auto", "host_alloc", "register", "pageable"};
+// One of kHostMemoryProviders. Throws std::invalid_argument naming the
+// choices for anything else.
 std::unique_ptr<pool::HostMemoryProvider> make_host_memory_provider(const std::string& kind, unsigned flags,
                                                                     int register_threads);
 // Uses on a transfer worker (device -1) get worker events; stream uses get

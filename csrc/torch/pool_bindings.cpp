@@ -10,7 +10,10 @@
 
 #include "csrc/core/host_pool/numa_binding.h"
 #include "csrc/core/host_pool/numa_topology.h"
+#include "csrc/core/host_pool/size_classes.h"
 #include "csrc/torch/pinned_pool.h"
+#include "hip/pinned_memory.h"
+#include "hip/runtime.h"
 
 namespace py = pybind11;
 
@@ -63,10 +66,28 @@ std::int64_t create(const std::string& provider, unsigned flags, int register_th
   return create_pinned_pool(config);
 }
 
+// What python/hipferry/pool.py reads instead of copying: the hipHostMalloc
+// flag values by PinnedPool argument, the provider names, the reserve's granule.
+void bind_pool_constants(py::module_& m) {
+  py::dict flags;
+  flags["portable"] = static_cast<unsigned>(rt::kHostPortable);
+  flags["mapped"] = static_cast<unsigned>(rt::kHostMapped);
+  flags["write_combined"] = static_cast<unsigned>(rt::kHostWriteCombined);
+  flags["numa_user"] = static_cast<unsigned>(rt::kHostNumaUser);
+  flags["coherent"] = static_cast<unsigned>(rt::kHostCoherent);
+  flags["non_coherent"] = static_cast<unsigned>(rt::kHostNonCoherent);
+  m.attr("HOST_ALLOC_FLAGS") = flags;
+  py::tuple providers(kHostMemoryProviders.size());
+  for (std::size_t i = 0; i < kHostMemoryProviders.size(); ++i) providers[i] = py::str(kHostMemoryProviders[i]);
+  m.attr("HOST_MEMORY_PROVIDERS") = providers;
+  m.attr("RESERVE_GRANULE") = pool::kOwnSegmentGranule;  // the reserve is one segment, rounded up to it
+}
+
 }  // namespace
 
 void bind_pinned_pool(py::module_& m) {
   py::register_exception<pool::PoolError>(m, "PoolError", PyExc_RuntimeError);
+  bind_pool_constants(m);
   m.def("create_pinned_pool", &create, py::arg("provider"), py::arg("flags"), py::arg("register_threads"),
         py::arg("capacity"), py::arg("max_cached_bytes"), py::arg("reserve_bytes"), py::arg("capacity_origin") = "",
         py::arg("numa_node") = -1, py::arg("device_nodes") = std::vector<int>{},

@@ -24,8 +24,10 @@ namespace {
 // may wait (pool capacity, a producer event) and lets go of tensors.
 // `device`: a torch.device or its spelling; `dtype`: None or a torch.dtype;
 // `negative_views`: whether a source may be a torch._neg_view (see TransferRequest).
+// `source_names`: None, or a callable i -> what errors call source i (the
+// caller's structure); asked only when a check fails, with the GIL taken back.
 std::shared_ptr<Transfer> start(TransferKind kind, py::handle sources, py::handle device, py::handle dtype,
-                                std::int64_t pool_id, bool negative_views) {
+                                std::int64_t pool_id, bool negative_views, py::handle source_names) {
   return translate_errors([&] {
     const bool prefetch = kind == TransferKind::kPrefetch;
     TransferRequest r;
@@ -37,6 +39,17 @@ std::shared_ptr<Transfer> start(TransferKind kind, py::handle sources, py::handl
     }
     r.pool_id = pool_id;
     r.may_have_negative_views = negative_views;
+    if (!source_names.is_none()) {
+      // A borrowed handle: the caller holds it, and r dies before this call returns.
+      r.source_name = [source_names](std::size_t i) {
+        py::gil_scoped_acquire gil;
+        try {
+          return py::str(source_names(i)).cast<std::string>();
+        } catch (const py::error_already_set&) {  // (dropped here, with the GIL)
+          return "tensors[" + std::to_string(i) + "]";
+        }
+      };
+    }
     py::gil_scoped_release no_gil;
     return start_transfer(std::move(r));
   });
@@ -102,15 +115,18 @@ void bind_transfers(py::module_& m) {
       .def_property_readonly("num_tensors", &Transfer::num_tensors);
   // start_*: the GIL is released once the arguments are read (see start).
   m.def("start_prefetch",
-        [](py::object sources, py::object device, py::object dtype, std::int64_t pool, bool negative_views) {
-          return start(TransferKind::kPrefetch, sources, device, dtype, pool, negative_views);
+        [](py::object sources, py::object device, py::object dtype, std::int64_t pool, bool negative_views,
+           py::object source_names) {
+          return start(TransferKind::kPrefetch, sources, device, dtype, pool, negative_views, source_names);
         },
-        py::arg("sources"), py::arg("device"), py::arg("dtype"), py::arg("pool"), py::arg("negative_views") = true);
+        py::arg("sources"), py::arg("device"), py::arg("dtype"), py::arg("pool"), py::arg("negative_views") = true,
+        py::arg("source_names") = py::none());
   m.def("start_offload",
-        [](py::object sources, py::object dtype, std::int64_t pool, bool negative_views) {
-          return start(TransferKind::kOffload, sources, py::none(), dtype, pool, negative_views);
+        [](py::object sources, py::object dtype, std::int64_t pool, bool negative_views, py::object source_names) {
+          return start(TransferKind::kOffload, sources, py::none(), dtype, pool, negative_views, source_names);
         },
-        py::arg("sources"), py::arg("dtype"), py::arg("pool"), py::arg("negative_views") = true);
+        py::arg("sources"), py::arg("dtype"), py::arg("pool"), py::arg("negative_views") = true,
+        py::arg("source_names") = py::none());
   m.def("transfer_stats", [] {
     const TransferStats s = transfer_stats();
     py::dict d;

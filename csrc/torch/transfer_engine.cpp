@@ -324,38 +324,41 @@ std::shared_ptr<Transfer> start_transfer(TransferRequest r) {
   const char* api = prefetch ? "hipferry.prefetch" : "hipferry.offload";
 
   // --- arguments (nothing is allocated or queued until all are checked) ---
+  const auto name = [&r](std::size_t i) {
+    return r.source_name ? r.source_name(i) : "tensors[" + std::to_string(i) + "]";
+  };
   Device where = prefetch ? r.device : Device(DeviceType::CPU);
   std::vector<ScalarType> types;  // each source's dtype
   types.reserve(r.sources.size());
   for (std::size_t i = 0; i < r.sources.size(); ++i) {
     const Tensor& t = r.sources[i];
-    HF_CHECK_VALUE(t.defined(), api, ": tensors[", i, "] is an undefined tensor; expected a tensor");
+    HF_CHECK_VALUE(t.defined(), api, ": ", name(i), " is an undefined tensor; expected a tensor");
     const Layout layout = t.layout();
-    HF_CHECK_VALUE(layout == Layout::Strided, api, ": tensors[", i, "] has layout ", layout_name(layout),
+    HF_CHECK_VALUE(layout == Layout::Strided, api, ": ", name(i), " has layout ", layout_name(layout),
                    "; expected strided (dense) tensors");
     std::int32_t code = -1;
     const std::optional<ScalarType> type = plain_dtype(t, code);
     if (!type) {
       const std::string quantized = quantized_name(code);
-      HF_CHECK_VALUE(quantized.empty(), api, ": tensors[", i, "] is quantized (", quantized,
+      HF_CHECK_VALUE(quantized.empty(), api, ": ", name(i), " is quantized (", quantized,
                      "); expected a plain dtype (move t.int_repr() and the quantization parameters instead)");
-      HF_CHECK_VALUE(false, api, ": tensors[", i, "] has a dtype (code ", code,
+      HF_CHECK_VALUE(false, api, ": ", name(i), " has a dtype (code ", code,
                      ") that hipferry cannot name through torch's stable ABI; expected a plain dtype");
     }
     if (prefetch) {
-      HF_CHECK_VALUE(t.is_cpu(), api, ": tensors[", i, "] is on ", device_of(t),
+      HF_CHECK_VALUE(t.is_cpu(), api, ": ", name(i), " is on ", device_of(t),
                      "; expected host (CPU) tensors to move to ", device_name(r.device));
     } else {
-      HF_CHECK_VALUE(t.is_cpu() || t.is_cuda(), api, ": tensors[", i, "] is on ", device_of(t),
+      HF_CHECK_VALUE(t.is_cpu() || t.is_cuda(), api, ": ", name(i), " is on ", device_of(t),
                      "; expected tensors on a GPU (or the CPU)");
       const Device on = t.device();
       if (i == 0) where = on;
-      HF_CHECK_VALUE(on == where, api, ": tensors[", i, "] is on ", device_name(on), " but tensors[0] is on ",
+      HF_CHECK_VALUE(on == where, api, ": ", name(i), " is on ", device_name(on), " but ", name(0), " is on ",
                      device_name(where), "; expected every tensor on one device");
     }
     if (r.dtype && *r.dtype != *type) {
       HF_CHECK_VALUE(is_float_convertible(*type) && is_float_convertible(*r.dtype), api, ": dtype ",
-                     dtype_name(*r.dtype), " cannot be produced from tensors[", i, "] of dtype ", dtype_name(*type),
+                     dtype_name(*r.dtype), " cannot be produced from ", name(i), " of dtype ", dtype_name(*type),
                      "; expected conversions among float32, float16 and bfloat16 (or dtype=None)");
     }
     types.push_back(*type);

@@ -52,6 +52,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -78,6 +79,9 @@ struct TransferRequest {
   // stable ABI cannot read the bit, and resolving it costs a dispatcher call
   // per source, so a caller that knows no source has it says false.
   bool may_have_negative_views = true;
+  // What errors call source i, e.g. "tensors['w'][1]" (the caller's structure);
+  // empty: "tensors[i]". Called only while start_transfer runs, on a failed check.
+  std::function<std::string(std::size_t)> source_name;
 };
 
 using engine::Completion;  // when a transfer's work is done (csrc/engine/engine.h)

@@ -77,7 +77,7 @@ def _default_pool_placement(native) -> str:
     """Where the default pool's pages come from, from its configuration (the
     pool is not made)."""
     try:
-        default, devices = pool._numa_placement(pool.default_pool_config().get("numa_node", "auto"))
+        default, devices = pool.numa_placement(pool.default_pool_config().get("numa_node", "auto"))
     except (TypeError, ValueError) as e:
         return f"the default pool's numa_node is invalid: {e}"
     placed = [f"GPU {d} -> node {n}" for d, n in enumerate(devices) if n >= 0]

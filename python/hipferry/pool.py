@@ -7,88 +7,21 @@ from __future__ import annotations
 
 import inspect
 import os
-import re
 import threading
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 
 from . import _C
 from .host_memory import default_budget
 from .ops import call_op
+from .pool_args import (ALIGNMENTS, MIN_CAPACITY, PROVIDERS, RESERVE_GRANULE, UNLIMITED, Size, check_shape,
+                        device_index, device_numa_nodes, host_alloc_flags, numa_placement, parse_bytes)
 from .torch_private import eager_dispatch
 
-Size = Union[int, str, None]
-
-# rt::HostAllocFlags (hip/runtime.h): HIP's hipHostMalloc flag values.
-_FLAG_PORTABLE = 0x1
-_FLAG_MAPPED = 0x2
-_FLAG_WRITE_COMBINED = 0x4
-_FLAG_NUMA_USER = 0x20000000
-_FLAG_COHERENT = 0x40000000
-_FLAG_NON_COHERENT = 0x80000000
-
-_PROVIDERS = ("auto", "host_alloc", "register", "pageable")
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-          "t": 1000**4, "tb": 1000**4, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_MIN_CAPACITY = 256  # one block
-_ALIGNMENTS = (256, 4096)  # every block's; a page's, for O_DIRECT (size_classes.h: kAlignment, kPageAlignment)
-_RESERVE_GRANULE = 64 << 10  # the reserve is one segment, rounded up to this (size_classes.h: kOwnSegmentGranule)
-_MAX_DIM = 2**63 - 1
-_UNLIMITED = 2**64 - 1
+__all__ = ["PinnedPool", "default_pool", "pin", "resolve_pool", "configure_default_pool", "default_pool_config",
+           "parse_pool_config", "parse_bytes", "device_numa_nodes", "numa_placement"]  # (the last three: pool_args)
 MAX_REGISTER_THREADS = 64  # page-touching threads of provider="register" (more only contend for the page tables)
-
-
-def parse_bytes(value: Size, name: str) -> Optional[int]:
-    """``4096``, ``"512MiB"``, ``"1.5GB"`` -> bytes; ``None`` stays ``None``."""
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        raise TypeError(f"hipferry: {name} must be a byte count (int or a string like '8GiB'), got a bool")
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"hipferry: {name} must be >= 0 bytes, got {value}")
-        return value
-    if isinstance(value, str):
-        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", value)
-        if m and m.group(2).lower() in _UNITS:
-            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-        raise ValueError(f"hipferry: {name} must look like '8GiB', '512MiB', '1.5GB' or '4096', got {value!r}")
-    raise TypeError(f"hipferry: {name} must be a byte count (int or a string like '8GiB'), "
-                    f"got {type(value).__name__}")
-
-
-def _flags(portable: bool, mapped: bool, coherent: Optional[bool], numa_user: bool, write_combined: bool) -> int:
-    flags = 0
-    if portable:
-        flags |= _FLAG_PORTABLE
-    if mapped:
-        flags |= _FLAG_MAPPED
-    if write_combined:
-        flags |= _FLAG_WRITE_COMBINED
-    if numa_user:
-        flags |= _FLAG_NUMA_USER
-    if coherent is True:
-        flags |= _FLAG_COHERENT
-    elif coherent is False:
-        flags |= _FLAG_NON_COHERENT
-    return flags
-
-
-def _check_shape(size: Sequence[Any]) -> list:
-    if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
-        size = size[0]
-    shape = []
-    for i, d in enumerate(size):
-        if isinstance(d, bool) or not isinstance(d, int):
-            raise TypeError(f"hipferry.PinnedPool.empty: size must be ints, got {type(d).__name__} at index {i}")
-        if d < 0:
-            raise ValueError(f"hipferry.PinnedPool.empty: size must be >= 0 in every dimension, got {d} at index {i}")
-        if d > _MAX_DIM:
-            raise ValueError(f"hipferry.PinnedPool.empty: size must be at most 2**63 - 1 in every dimension, got {d} "
-                             f"at index {i}")
-        shape.append(d)
-    return shape
 
 
 class PinnedPool:
@@ -131,26 +64,26 @@ class PinnedPool:
                  register_threads: int = 8, numa_node: Union[None, int, str, Dict[int, int]] = "auto",
                  _capacity_origin: str = "", _growth_limit: Optional[float] = None):
         cap = parse_bytes(capacity, "capacity")
-        if cap is not None and cap < _MIN_CAPACITY:
-            raise ValueError(f"hipferry.PinnedPool: capacity must be at least {_MIN_CAPACITY} bytes (one block), "
+        if cap is not None and cap < MIN_CAPACITY:
+            raise ValueError(f"hipferry.PinnedPool: capacity must be at least {MIN_CAPACITY} bytes (one block), "
                              f"got {cap}")
         cached = parse_bytes(max_cached, "max_cached")
         reserve_bytes = parse_bytes(reserve, "reserve") or 0
         for name, v in (("capacity", cap), ("max_cached", cached), ("reserve", reserve_bytes)):
-            if v is not None and v > _UNLIMITED:
+            if v is not None and v > UNLIMITED:
                 raise ValueError(f"hipferry.PinnedPool: {name} must be at most 2**64 - 1 bytes (None: no bound), "
                                  f"got {v}")
-        if cap is not None and -(-reserve_bytes // _RESERVE_GRANULE) * _RESERVE_GRANULE > cap:
-            rounded = -(-reserve_bytes // _RESERVE_GRANULE) * _RESERVE_GRANULE
+        if cap is not None and -(-reserve_bytes // RESERVE_GRANULE) * RESERVE_GRANULE > cap:
+            rounded = -(-reserve_bytes // RESERVE_GRANULE) * RESERVE_GRANULE
             raise ValueError(f"hipferry.PinnedPool: reserve ({reserve_bytes} bytes, {rounded} once rounded up to "
-                             f"the pool's 64 KiB segment granule) must not exceed capacity ({cap} bytes)")
-        if provider not in _PROVIDERS:
-            raise ValueError(f"hipferry.PinnedPool: provider must be one of {_PROVIDERS}, got {provider!r}")
+                             f"the pool's {RESERVE_GRANULE >> 10} KiB segment granule) must not exceed capacity ({cap} bytes)")
+        if provider not in PROVIDERS:
+            raise ValueError(f"hipferry.PinnedPool: provider must be one of {PROVIDERS}, got {provider!r}")
         if isinstance(register_threads, bool) or not isinstance(register_threads, int) or \
                 not 1 <= register_threads <= MAX_REGISTER_THREADS:
             raise ValueError(f"hipferry.PinnedPool: register_threads must be an int from 1 to "
                              f"{MAX_REGISTER_THREADS}, got {register_threads!r}")
-        default_node, device_nodes = _numa_placement(numa_node)
+        default_node, device_nodes = numa_placement(numa_node)
         for flag, value in (("portable", portable), ("mapped", mapped), ("numa_user", numa_user),
                             ("write_combined", write_combined)):
             if not isinstance(value, bool):  # "no" or [] would silently mean True / False
@@ -159,9 +92,9 @@ class PinnedPool:
             raise ValueError(f"hipferry.PinnedPool: coherent must be None, True or False, got {coherent!r}")
         self._id: Optional[int] = None
         self._provider_kind = provider
-        self._id = _C.create_pinned_pool(provider, _flags(portable, mapped, coherent, numa_user, write_combined),
-                                         register_threads, _UNLIMITED if cap is None else cap,
-                                         _UNLIMITED if cached is None else cached, reserve_bytes,
+        self._id = _C.create_pinned_pool(provider, host_alloc_flags(portable, mapped, coherent, numa_user, write_combined),
+                                         register_threads, UNLIMITED if cap is None else cap,
+                                         UNLIMITED if cached is None else cached, reserve_bytes,
                                          _capacity_origin, default_node, device_nodes,
                                          *([] if _growth_limit is None else [float(_growth_limit)]))
 
@@ -189,9 +122,9 @@ class PinnedPool:
     def _empty_checked(self, size: Tuple[Any, ...], dtype: Any, for_device: Any, alignment: Any = 256) -> torch.Tensor:
         """``empty`` through its checks and the op (tracing, dispatch modes,
         arguments the fast path leaves alone: each error is raised here)."""
-        shape = _check_shape(size)
-        device = _device_index(for_device, "hipferry.PinnedPool.empty")
-        if type(alignment) is not int or alignment not in _ALIGNMENTS:  # (True == 1, 4096.0 == 4096: refused too)
+        shape = check_shape(size)
+        device = device_index(for_device, "hipferry.PinnedPool.empty")
+        if type(alignment) is not int or alignment not in ALIGNMENTS:  # (True == 1, 4096.0 == 4096: refused too)
             raise ValueError(f"hipferry.PinnedPool.empty: alignment must be 256 (the default) or 4096 (a page, "
                              f"as O_DIRECT needs), got {alignment!r}")
         if not isinstance(dtype, torch.dtype):
@@ -217,14 +150,14 @@ class PinnedPool:
         pool_id = self._open_id("record_use")
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"hipferry.PinnedPool.record_use: t must be a torch.Tensor, got {type(t).__name__}")
+        if stream is not None and (not hasattr(stream, "cuda_stream") or not hasattr(stream, "device")):
+            raise TypeError("hipferry.PinnedPool.record_use: stream must be a torch.cuda.Stream or None, "
+                            f"got {type(stream).__name__}")  # (checked for every t, on machines without a GPU too)
         if t.device.type == "cpu" and t.numel() == 0:
             return  # an empty tensor owns no block
         if t.device.type != "cpu" or not _C.pool_owns(pool_id, t.untyped_storage().data_ptr()):
             raise ValueError("hipferry.PinnedPool.record_use: t must be a tensor allocated from this pool "
                              f"(PinnedPool.empty or hipferry.pin), got a {t.device} tensor that is not")
-        if stream is not None and (not hasattr(stream, "cuda_stream") or not hasattr(stream, "device")):
-            raise TypeError("hipferry.PinnedPool.record_use: stream must be a torch.cuda.Stream or None, "
-                            f"got {type(stream).__name__}")  # (checked on machines without a GPU too)
         if stream is None:
             if _C.device_count() == 0:
                 return
@@ -259,7 +192,7 @@ class PinnedPool:
         misses, system allocations and frees and the time they took, blocks
         waiting on GPU events, capacity, ``reserved_by_node`` (-1: unbound)."""
         s = _C.pool_stats(self._open_id("stats"))
-        if s["capacity"] == _UNLIMITED:
+        if s["capacity"] == UNLIMITED:
             s["capacity"] = None
         return s
 
@@ -290,6 +223,12 @@ class PinnedPool:
     @property
     def closed(self) -> bool:
         return self._id is None
+
+    @property
+    def native_id(self) -> Optional[int]:
+        """The id ``_C``'s pool functions and ops take (None once closed): for
+        hipferry's modules that hand the pool to the engine."""
+        return self._id
 
     def check_invariants(self) -> None:
         """Raise if the allocator's bookkeeping is inconsistent (tests, debugging)."""
@@ -400,7 +339,7 @@ def default_pool() -> PinnedPool:
             if "capacity" not in config:
                 budget, why = default_budget()
                 if budget is not None:
-                    config["capacity"] = max(budget, _MIN_CAPACITY)
+                    config["capacity"] = max(budget, MIN_CAPACITY)
                     config["_capacity_origin"] = (
                         f"the default pool's budget, {why}; raise it with HIPFERRY_PINNED_POOL=capacity=<bytes> "
                         "or hipferry.configure_default_pool(capacity=...) (None: no bound)")
@@ -426,76 +365,21 @@ def pin(tensor: torch.Tensor, pool: Optional[PinnedPool] = None) -> torch.Tensor
     if tensor.is_quantized:  # else PinnedPool.empty would name its own dtype argument
         raise ValueError(f"hipferry.pin: tensor is quantized ({tensor.dtype}); expected a plain dtype "
                          "(pin tensor.int_repr() and keep the quantization parameters)")
-    if pool is not None and not isinstance(pool, PinnedPool):
-        raise TypeError(f"hipferry.pin: pool must be a hipferry.PinnedPool or None, got {type(pool).__name__}")
-    out = (pool or default_pool()).empty(tuple(tensor.shape), dtype=tensor.dtype)
+    out = resolve_pool(pool, "hipferry.pin").empty(tuple(tensor.shape), dtype=tensor.dtype)
     out.copy_(tensor)
     return out
 
 
-def _numa_placement(numa_node: Any) -> Tuple[int, List[int]]:
-    """PinnedPool's numa_node -> (node of host-only memory, node of each device)."""
-    where = "hipferry.PinnedPool: numa_node"
-    if numa_node is None:
-        return -1, []
-    if isinstance(numa_node, str):
-        if numa_node != "auto":
-            raise ValueError(f"{where} must be 'auto', None, a node number or a dict {{device: node}}, "
-                             f"got {numa_node!r}")
-        nodes = device_numa_nodes()
-        return -1, nodes if any(n >= 0 for n in nodes) else []
-    online = _C.numa_nodes()
-
-    def node(value: Any, what: str) -> int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{where}{what} must be an int, got {value!r}")
-        if value not in online:
-            raise ValueError(f"{where}{what} is {value}, not an online NUMA node; this host has node(s) {online}")
-        return value
-
-    if isinstance(numa_node, dict):
-        devices: List[int] = []
-        for d, n in numa_node.items():
-            if isinstance(d, bool) or not isinstance(d, int) or not 0 <= d < 1 << 16:
-                raise TypeError(f"{where} keys must be device indices (ints from 0), got {d!r}")
-            n = node(n, f"[{d}]")
-            devices.extend([-1] * (d + 1 - len(devices)))
-            devices[d] = n
-        return -1, devices
-    if isinstance(numa_node, bool) or not isinstance(numa_node, int):
-        raise TypeError(f"{where} must be 'auto', None, a node number or a dict {{device: node}}, got {numa_node!r}")
-    return node(numa_node, ""), []
-
-
-def device_numa_nodes(pci_bus_ids: Optional[Sequence[str]] = None, sysfs_root: str = "/sys") -> List[int]:
-    """The NUMA node each GPU's pinned memory should come from: the GPU's own
-    node on a host of several nodes, -1 (no binding) on one node or where
-    sysfs does not say. ``pci_bus_ids`` defaults to the visible GPUs'."""
-    if pci_bus_ids is None:
-        pci_bus_ids = [_C.device_info(d)["pci_bus_id"] for d in range(_C.device_count())]
-    return list(_C.numa_device_nodes(list(pci_bus_ids), sysfs_root))
-
-
-def _device_index(device: Any, where: str) -> int:
-    """for_device -> a GPU index, -1 for None (the current GPU)."""
-    if device is None:
-        return -1
-    if isinstance(device, bool):
-        raise TypeError(f"{where}: for_device must be a GPU index, 'cuda:N', a torch.device or None, got {device!r}")
-    if isinstance(device, int):
-        index = device
-    else:
-        try:
-            d = torch.device(device)
-        except (TypeError, RuntimeError):
-            raise TypeError(f"{where}: for_device must be a GPU index, 'cuda:N', a torch.device or None, "
-                            f"got {device!r}") from None
-        if d.type != "cuda":
-            raise ValueError(f"{where}: for_device must name a GPU, got {d}")
-        index = -1 if d.index is None else d.index
-    if not -1 <= index < 1 << 16:
-        raise ValueError(f"{where}: for_device must be a GPU index from 0, got {index}")
-    return index
+def resolve_pool(pool: Optional[PinnedPool], api: str) -> PinnedPool:
+    """The pool a public entry point ``api`` was given (``pool=``): the default
+    pool for None. Raises, naming ``api``, unless it is an open PinnedPool."""
+    if pool is None:
+        pool = default_pool()
+    if not isinstance(pool, PinnedPool):
+        raise TypeError(f"{api}: pool must be a hipferry.PinnedPool or None, got {type(pool).__name__}")
+    if pool.closed:
+        raise RuntimeError(f"{api}: the pool is closed; expected an open pool")
+    return pool
 
 
 @torch.library.register_fake("hipferry::pool_empty")

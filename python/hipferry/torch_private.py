@@ -112,6 +112,13 @@ def host_empty_cache() -> bool:
     return True
 
 
+def dtensor_local(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """A DTensor's local shard (``DTensor._local_tensor``; the public
+    ``to_local()`` records an autograd op), None for other tensors."""
+    inner = getattr(t, "_local_tensor", None)
+    return inner if isinstance(inner, torch.Tensor) else None
+
+
 # ------------------------------------------------------------------ modules
 def module_parameters(m: nn.Module) -> Dict[str, Optional[nn.Parameter]]:
     """A module's own parameter slots (``Module._parameters``), which hipferry
@@ -130,6 +137,40 @@ def module_hook_dicts(m: nn.Module) -> List[Dict[int, Any]]:
 def module_buffers(m: nn.Module) -> Dict[str, Optional[torch.Tensor]]:
     """A module's own buffer slots (``Module._buffers``)."""
     return m._buffers
+
+
+MODULE_APPLY = "_apply"  # what model.to()/.cuda()/.float() call on each module: an instance attribute overrides it
+
+
+def module_apply(m: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
+    """torch's conversion of ``m``'s parameters and buffers by ``fn`` (what
+    ``model.to()`` runs; ``nn.Module._apply``), bypassing an override of ``m``'s own."""
+    return nn.Module._apply(m, fn, recurse)
+
+
+def override_module_apply(m: nn.Module, fn: Callable[..., nn.Module]) -> None:
+    """Makes ``model.to()`` and friends call ``fn(fn_of_tensors, recurse=True)``
+    for ``m`` instead of torch's conversion: an instance attribute ``_apply``
+    (``del m.__dict__[MODULE_APPLY]`` undoes it)."""
+    m.__dict__[MODULE_APPLY] = fn
+
+
+# ------------------------------------------------------------------ optimizers
+def optimizer_load_state_dict_hooks(opt: torch.optim.Optimizer) -> Tuple[List[Callable], List[Callable]]:
+    """The (pre, post) hooks registered with ``register_load_state_dict_pre_hook``
+    / ``_post_hook``, in the order torch runs them
+    (``Optimizer._optimizer_load_state_dict_pre_hooks`` / ``_post_hooks``): an
+    optimizer that loads state itself runs them as torch's ``load_state_dict`` does."""
+    return (list(opt._optimizer_load_state_dict_pre_hooks.values()),
+            list(opt._optimizer_load_state_dict_post_hooks.values()))
+
+
+def supports_amp_scaling(cls: type) -> type:
+    """Class decorator: ``torch.amp.GradScaler.step`` then hands the
+    optimizer's ``step`` ``grad_scale`` and ``found_inf`` (as attributes)
+    instead of unscaling the gradients itself (``_step_supports_amp_scaling``)."""
+    cls._step_supports_amp_scaling = True
+    return cls
 
 
 # ------------------------------------------------------------------ containers

@@ -21,14 +21,13 @@ Note [transfer structures]
 import atexit
 import operator
 import os
-import re
 from collections.abc import Mapping
 from typing import Any, List, Optional, Tuple, Union
 
 import torch
 
 from . import _C
-from .pool import PinnedPool, default_pool
+from .pool import PinnedPool, resolve_pool
 from .torch_private import register_mapping_node, tree_flatten, tree_is_leaf, tree_leaf_paths, tree_unflatten
 
 Device = Union[str, int, torch.device]
@@ -68,6 +67,12 @@ class Transfer:
 
     def ready(self) -> bool:
         return self._native.ready()
+
+    @property
+    def native(self) -> Any:
+        """The engine's handle of this copy (``_C.Transfer``): what hipferry's
+        windows of copies in flight poll and wait on."""
+        return self._native
 
     def synchronize(self) -> None:
         self._native.synchronize()
@@ -176,14 +181,6 @@ def _resolve_device(device: Device, api: str) -> torch.device:
     return d
 
 
-def _resolve_pool(pool: Optional[PinnedPool], api: str) -> int:
-    if pool is None:
-        pool = default_pool()
-    if not isinstance(pool, PinnedPool):
-        raise TypeError(f"{api}: pool must be a hipferry.PinnedPool or None, got {type(pool).__name__}")
-    return pool._open_id(api.split(".")[-1])
-
-
 def _check_dtype(dtype: Optional[torch.dtype], api: str) -> None:
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"{api}: dtype must be a torch.dtype or None, got {dtype!r}")
@@ -198,18 +195,24 @@ def _start(api: str, start: Any, tensors: Any, *args: Any) -> Transfer:
         negative_views = any(map(torch.Tensor.is_neg, leaves))
     except TypeError:  # a leaf that is not a tensor: the engine rejects it, naming its position
         negative_views = True
-    try:
-        native = start(leaves, *args, negative_views=negative_views)
-    except (ValueError, TypeError) as e:
-        # The engine names flat positions; say where they are in the caller's structure.
-        raise type(e)(_rename_positions(str(e), tree)) from None
-    return Transfer(native, spec, api)
+    # The engine's errors name each source where it sits in the caller's structure.
+    names = None if spec is list or spec is tuple else _LeafNames(tree)
+    return Transfer(start(leaves, *args, negative_views=negative_views, source_names=names), spec, api)
 
 
-def _rename_positions(message: str, tree: Any) -> str:
-    paths = ["tensors" + p for p in tree_leaf_paths(tree)]
-    # One pass: a replacement must not be rewritten by a later one.
-    return re.sub(r"tensors\[(\d+)\]", lambda m: paths[int(m[1])] if int(m[1]) < len(paths) else m[0], message)
+class _LeafNames:
+    """i -> "tensors['w'][1]", the place of leaf i of `tree`; the paths are made
+    on the first call only (the engine asks only when a check fails)."""
+
+    __slots__ = ("tree", "paths")
+
+    def __init__(self, tree: Any):
+        self.tree, self.paths = tree, None
+
+    def __call__(self, i: int) -> str:
+        if self.paths is None:
+            self.paths = ["tensors" + p for p in tree_leaf_paths(self.tree)]
+        return self.paths[i]
 
 
 def prefetch(tensors: Any, device: Device, *, dtype: Optional[torch.dtype] = None,
@@ -238,7 +241,7 @@ def prefetch(tensors: Any, device: Device, *, dtype: Optional[torch.dtype] = Non
     api = "hipferry.prefetch"
     d = _resolve_device(device, api)
     _check_dtype(dtype, api)
-    return _start(api, _C.start_prefetch, tensors, d, dtype, _resolve_pool(pool, api))
+    return _start(api, _C.start_prefetch, tensors, d, dtype, resolve_pool(pool, api).native_id)
 
 
 def offload(tensors: Any, *, dtype: Optional[torch.dtype] = None, pool: Optional[PinnedPool] = None) -> Transfer:
@@ -252,7 +255,7 @@ def offload(tensors: Any, *, dtype: Optional[torch.dtype] = None, pool: Optional
     """
     api = "hipferry.offload"
     _check_dtype(dtype, api)
-    return _start(api, _C.start_offload, tensors, dtype, _resolve_pool(pool, api))
+    return _start(api, _C.start_offload, tensors, dtype, resolve_pool(pool, api).native_id)
 
 
 def transfer_stats() -> dict:

@@ -223,6 +223,14 @@ def call_ops():
     return True
 
 
+def call_pool_constants():
+    # Read by hipferry.pool_args (test_pool.py checks the values).
+    flags = _C.HOST_ALLOC_FLAGS
+    assert isinstance(flags, dict) and all(isinstance(v, int) and v > 0 for v in flags.values())
+    assert "auto" in _C.HOST_MEMORY_PROVIDERS and _C.RESERVE_GRANULE % 4096 == 0
+    return True
+
+
 # Each binding / op -> the call above that crosses it.
 ENTRIES = {
     **dict.fromkeys(["create_pinned_pool", "destroy_pinned_pool", "pool_empty_fast", "pool_pin_fast", "pool_owns",
@@ -239,6 +247,7 @@ ENTRIES = {
                      "_dynamic_map_8bit"], call_8bit_optimizer_bindings),
     **dict.fromkeys(["LayerCopier", "LayerCopyTicket", "InFlightWindow"], call_scheduling_bindings),
     **dict.fromkeys(["_content_hash", "_thread_fp_modes", "_set_thread_fp_modes"], call_speculation_check_bindings),
+    **dict.fromkeys(["HOST_ALLOC_FLAGS", "HOST_MEMORY_PROVIDERS", "RESERVE_GRANULE"], call_pool_constants),
     **dict.fromkeys(["build_info", "cpu_isa", "device_count", "numa_nodes", "numa_device_nodes", "device_info",
                      "check_host_memory", "RuntimeLayerError"], call_platform_bindings),
     **dict.fromkeys(["op:copy_cast_", "op:pool_empty", "op:adamw_step_", "op:bits_equal"], call_ops),
@@ -275,3 +284,27 @@ def test_the_older_torch_subset_covers_every_module_and_every_opcheck(request):
         {item.nodeid for item in subset}
     if len(modules) > 10:  # a run of the whole suite: the subset is a small part of it
         assert len(subset) < len(everything) / 4, (len(subset), len(everything))
+
+
+def test_transfer_errors_name_sources_as_the_caller_says():
+    pool_id = hipferry.default_pool().native_id
+    xs = [torch.arange(4.0), torch.arange(3.0).to_sparse()]  # the second is not strided
+    with pytest.raises(ValueError, match=r"^hipferry.prefetch: tensors\[1\] has layout"):
+        _C.start_prefetch(xs, "cpu", None, pool_id, False)
+    asked = []
+
+    def names(i):
+        asked.append(i)
+        return f"batch['ids'][{i}]"
+
+    with pytest.raises(ValueError, match=r"^hipferry.offload: batch\['ids'\]\[1\] has layout"):
+        _C.start_offload(xs, None, pool_id, False, source_names=names)
+    assert asked == [1], "asked only for the source that failed its check"
+    _C.start_prefetch(xs[:1], "cpu", None, pool_id, False, source_names=names).wait()
+    assert asked == [1], "a transfer that starts asks for no names"
+
+    def broken(i):
+        raise KeyError(i)
+
+    with pytest.raises(ValueError, match=r"^hipferry.prefetch: tensors\[1\] has layout"):  # its own names then
+        _C.start_prefetch(xs, "cpu", None, pool_id, False, source_names=broken)

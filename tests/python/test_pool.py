@@ -502,3 +502,40 @@ def test_record_use_rejects_a_stream_that_is_not_one_on_every_machine(pool):
     t = pool.empty(8)
     with pytest.raises(TypeError, match=r"stream must be a torch.cuda.Stream or None, got str"):
         pool.record_use(t, stream="s")
+
+
+def test_record_use_checks_the_stream_for_every_tensor():
+    # Issue 33: an empty tensor (which owns no block) skipped the stream check.
+    with hipferry.PinnedPool(capacity="1MiB") as p:
+        for t in (p.empty(0), p.empty(16)):
+            for stream in (3, "s"):
+                with pytest.raises(TypeError, match="record_use: stream must be a torch.cuda.Stream"):
+                    p.record_use(t, stream=stream)
+        p.record_use(p.empty(0))  # stream=None: still fine
+
+
+def test_resolve_pool():
+    from hipferry.pool import resolve_pool
+    assert resolve_pool(None, "api") is hipferry.default_pool()
+    with hipferry.PinnedPool(capacity="1MiB") as p:
+        assert resolve_pool(p, "api") is p
+    with pytest.raises(RuntimeError, match="^my.api: the pool is closed"):
+        resolve_pool(p, "my.api")
+    with pytest.raises(TypeError, match="^my.api: pool must be a hipferry.PinnedPool or None, got str"):
+        resolve_pool("pool", "my.api")
+
+
+def test_pool_constants_are_the_native_modules():
+    from hipferry import _C, pool_args
+    assert pool_args.PROVIDERS == tuple(_C.HOST_MEMORY_PROVIDERS) == ("auto", "host_alloc", "register", "pageable")
+    assert pool_args.RESERVE_GRANULE == _C.RESERVE_GRANULE == 64 << 10
+    flags = _C.HOST_ALLOC_FLAGS
+    assert flags == {"portable": 0x1, "mapped": 0x2, "write_combined": 0x4, "numa_user": 0x20000000,
+                     "coherent": 0x40000000, "non_coherent": 0x80000000}  # HIP's hipHostMalloc values
+    assert pool_args.host_alloc_flags(True, True, None, False, False) == 0x3
+    assert pool_args.host_alloc_flags(False, False, False, True, True) == 0x80000000 | 0x20000000 | 0x4
+    assert pool_args.host_alloc_flags(False, True, True, False, False) == 0x40000002
+    with pytest.raises(ValueError, match="provider must be one of"):
+        hipferry.PinnedPool(provider="nope")
+    with pytest.raises(ValueError, match="rounded up to the pool's 64 KiB segment granule"):
+        hipferry.PinnedPool(capacity=1000, reserve=900)

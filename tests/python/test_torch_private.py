@@ -197,6 +197,27 @@ def test_host_empty_cache():
         assert got is True
 
 
+def test_dtensor_local():
+    import torch.distributed as dist
+    from torch.distributed.tensor import Replicate, distribute_tensor, init_device_mesh
+    assert tp.dtensor_local(torch.ones(2)) is None
+    assert tp.dtensor_local(nn.Parameter(torch.ones(2))) is None
+    ours = not dist.is_initialized()
+    if ours:  # a one-rank group in this process
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        d = distribute_tensor(torch.arange(4.0), init_device_mesh("cpu", (1,)), [Replicate()])
+        shard = tp.dtensor_local(d)
+        assert type(shard) is torch.Tensor and torch.equal(shard, torch.arange(4.0))
+        shard[0] = 7.0  # the shard itself, not a copy
+        assert float(d.to_local()[0]) == 7.0
+        p = nn.Parameter(d)
+        assert tp.dtensor_local(p) is not None and float(tp.dtensor_local(p)[0]) == 7.0
+    finally:
+        if ours:
+            dist.destroy_process_group()
+
+
 # ------------------------------------------------------------------ modules
 def test_module_parameters():
     outer = nn.Sequential(nn.Linear(2, 3))
@@ -229,6 +250,76 @@ def test_module_hook_dicts():
         assert d[handle.id] is hook
         handle.remove()
         assert handle.id not in d, "the dicts the handles remove from"
+
+
+def test_module_apply():
+    m = nn.Sequential(nn.Linear(2, 2))
+    seen = []
+
+    def convert(t):
+        seen.append(t.shape)
+        return t.double()
+
+    assert tp.module_apply(m, convert) is m
+    assert m[0].weight.dtype == torch.float64 and len(seen) == 2, "weight and bias, recursing"
+    seen.clear()
+    tp.module_apply(m, convert, recurse=False)
+    assert seen == [], "the Sequential's own tensors only: none"
+
+
+def test_override_module_apply():
+    m = nn.Linear(2, 2)
+    calls = []
+
+    def instead(fn, recurse=True):
+        calls.append(recurse)
+        return tp.module_apply(m, fn, recurse)  # torch's, bypassing the override
+
+    tp.override_module_apply(m, instead)
+    assert m.__dict__[tp.MODULE_APPLY] is instead
+    m.to(torch.float16)
+    assert calls == [True] and m.weight.dtype == torch.float16, "model.to() calls the override"
+    m.float()
+    assert len(calls) == 2
+    del m.__dict__[tp.MODULE_APPLY]
+    m.double()
+    assert len(calls) == 2 and m.weight.dtype == torch.float64, "torch's own again"
+
+
+# ------------------------------------------------------------------ optimizers
+def test_optimizer_load_state_dict_hooks():
+    p = nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    assert tp.optimizer_load_state_dict_hooks(opt) == ([], [])
+    order = []
+    pre1, pre2, post = (lambda o, sd: order.append("pre1")), (lambda o, sd: order.append("pre2")), \
+        (lambda o: order.append("post"))
+    h = opt.register_load_state_dict_pre_hook(pre1)
+    opt.register_load_state_dict_pre_hook(pre2, prepend=True)
+    opt.register_load_state_dict_post_hook(post)
+    assert tp.optimizer_load_state_dict_hooks(opt) == ([pre2, pre1], [post])
+    opt.load_state_dict(opt.state_dict())
+    assert order == ["pre2", "pre1", "post"], "the order torch runs them in"
+    h.remove()
+    assert tp.optimizer_load_state_dict_hooks(opt) == ([pre2], [post])
+
+
+def test_supports_amp_scaling():
+    @tp.supports_amp_scaling
+    class Plain(torch.optim.SGD):
+        seen = None
+
+        def step(self, closure=None):
+            Plain.seen = (float(self.grad_scale), float(self.found_inf))  # set by GradScaler, not unscaled by it
+
+    p = nn.Parameter(torch.ones(2))
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    opt = Plain([p], lr=0.1)
+    scaler.scale((p * 1.0).sum()).backward()
+    scaler.step(opt)
+    assert Plain.seen == (4.0, 0.0) and torch.equal(p.grad, torch.full((2,), 4.0)), "grads left scaled"
+    plain = torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1)
+    assert not getattr(plain, "_step_supports_amp_scaling", False)
 
 
 # ------------------------------------------------------------------ containers
@@ -305,6 +396,10 @@ PRIVATE_NAMES = [
     r"Backward0",                         # autograd node class names
     r"\._parameters\b", r"\._buffers\b",
     r"\._forward(_pre)?_hooks\b", r"\._state_dict_hooks\b",
+    r"\b_local_tensor\b",                  # DTensor's shard, also as getattr(t, "_local_tensor")
+    r"\b_apply\b",                         # nn.Module._apply, and overriding it ("_apply")
+    r"\b_optimizer_\w+",                   # Optimizer._optimizer_load_state_dict_pre_hooks and kin
+    r"\b_step_supports_amp_scaling\b",     # the attribute GradScaler reads
 ]
 
 
@@ -328,8 +423,11 @@ def test_private_name_grep_finds_them(tmp_path):
     pkg.mkdir()
     uses = ["torch._C._current_graph_task_id()", "from torch.utils import _pytree", "t._version", "t._base",
             "p._post_accumulate_grad_hooks", "Variable._execution_engine", "ToCopyBackward0", "m._parameters",
-            "m._buffers", "m._forward_pre_hooks", "m._state_dict_hooks", "torch._neg_view(x)"]
-    (pkg / "uses.py").write_text("\n".join(uses) + "\nx = torch.__version__\nt.version = 1\n")
+            "m._buffers", "m._forward_pre_hooks", "m._state_dict_hooks", "torch._neg_view(x)",
+            'getattr(t, "_local_tensor", None)', "nn.Module._apply(m, fn)", 'm.__dict__["_apply"] = f',
+            "opt._optimizer_load_state_dict_pre_hooks", "_step_supports_amp_scaling = True"]
+    (pkg / "uses.py").write_text("\n".join(uses) + "\nx = torch.__version__\nt.version = 1\n"
+                                 "_apply_except(m)\nself.local_tensor = t\n")  # (not private torch names)
     (pkg / "torch_private.py").write_text("torch._C\n")
     assert [u.split(": ", 1)[1] for u in private_name_uses(pkg)] == uses
 

@@ -66,7 +66,7 @@ def alloc_free_from_python(ctx, rows, gpu):
     numel = 4096
     nbytes = numel * 4
     pool = PinnedPool()
-    pool_id = pool._id
+    pool_id = pool.native_id
     op = torch.ops.hipferry.pool_empty.default
     size = (numel,)
     base = "torch.empty((n,), dtype=float32)"

@@ -63,7 +63,7 @@ def _alloc_free(ctx, rows, gpu):
         best = {k: (float("inf"), float("inf")) for k in contenders}
         for _ in range(rounds):  # interleaved rounds; keep each contender's best
             for k in contenders:
-                ns = time_pairs(k, pool._id, size, iters)
+                ns = time_pairs(k, pool.native_id, size, iters)
                 ns.sort()
                 med, p99 = statistics.median(ns), ns[int(0.99 * (len(ns) - 1))]
                 best[k] = (min(best[k][0], med), min(best[k][1], p99))

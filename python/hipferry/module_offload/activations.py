@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from .. import _C
-from ..pool import PinnedPool, default_pool, parse_bytes
+from ..pool import PinnedPool, parse_bytes, resolve_pool
 from ..torch_private import tensor_base, tensor_version
 from ..transfer import offload, prefetch
 from .saved_hooks import Passed, current_hooks
@@ -135,12 +135,7 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):
         self.max_in_flight = parse_bytes(max_in_flight, "offload_activations: max_in_flight")
         if self.max_in_flight <= 0:
             raise ValueError(f"{API}: max_in_flight must be > 0 bytes, got {max_in_flight!r}")
-        if pool is None:
-            pool = default_pool()
-        if not isinstance(pool, PinnedPool):
-            raise TypeError(f"{API}: pool must be a hipferry.PinnedPool or None, got {type(pool).__name__}")
-        pool._open_id("offload_activations")
-        self.pool = pool
+        self.pool = resolve_pool(pool, API)
         self._stats = ActivationStats()
         self._outer: List[Any] = []
         self._entered: List[Tuple[int, int, int]] = []  # per open `with`: counters at entry (the warning)
@@ -226,7 +221,7 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):
         window.admit(rec.nbytes)  # completed copies settled; the oldest waited for while over the bound
         self._stats.forward_waits += window.waits - waits
         rec.transfer = offload(rec.source.permute(perm), pool=self.pool)  # (detached: the engine holds no graph)
-        entry = window.add(rec.transfer._native, rec.nbytes, partial(_settled, weakref.ref(rec)))
+        entry = window.add(rec.transfer.native, rec.nbytes, partial(_settled, weakref.ref(rec)))
         finalizer = weakref.finalize(rec, window.withdraw, entry)
         finalizer.atexit = False  # (at exit nothing needs withdrawing)
         rec.entry = (entry, finalizer)

@@ -60,7 +60,7 @@ class GradSink:
             items = by_param.setdefault(id(entry.param), (entry, []))[1]
             t = offload(grad, dtype=dtype, pool=self.pool)
             items.append(t)
-            self.window.add(t._native, nbytes, partial(_hand_over, items, len(items) - 1))
+            self.window.add(t.native, nbytes, partial(_hand_over, items, len(items) - 1))
             self.bytes_moved += grad.numel() * entry.host_dtype.itemsize
 
     def flush(self, task: int) -> None:

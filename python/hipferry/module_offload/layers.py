@@ -11,7 +11,7 @@ from typing import Any, Callable, List, Optional, Sequence
 import torch
 from torch import nn
 
-from ..pool import PinnedPool, default_pool
+from ..pool import PinnedPool, resolve_pool
 from ..torch_private import module_buffers, module_parameters
 from ..transfer import _resolve_device as resolve_device
 from .block_layout import check_layers, default_layers, plan_blocks, release_host_buffers
@@ -127,11 +127,7 @@ def offload_layers(model: nn.Module, *, prefetch: int = 2, layers: Optional[Sequ
         raise ValueError(f"{API}: prefetch must be >= 0 (blocks copied ahead of the one running), got {prefetch}")
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"{API}: dtype must be a torch.dtype or None, got {dtype!r}")
-    if pool is None:
-        pool = default_pool()
-    if not isinstance(pool, PinnedPool):
-        raise TypeError(f"{API}: pool must be a hipferry.PinnedPool or None, got {type(pool).__name__}")
-    pool._open_id("offload_layers")
+    pool = resolve_pool(pool, API)
     _check_materialized(model)
     dev = _resolve_device(model, device)
     chosen = default_layers(model) if layers is None else check_layers(model, layers)

@@ -8,9 +8,9 @@ Note [offloaded model integration]
   it and the blocks. A call of any of them, or of a block alone, from outside
   such a call, is a model call: it starts from fresh device copies (see
   Note [offloaded blocks]).
-* ``_apply`` -- what ``model.to()``, ``.cuda()``, ``.float()`` and Trainer's /
-  accelerate's device placement run -- is an instance attribute of the
-  callers and blocks. It first probes, for every offloaded weight below the
+* The conversion ``model.to()``, ``.cuda()``, ``.float()`` and Trainer's /
+  accelerate's device placement run (``torch_private.module_apply``) is
+  overridden on the callers and blocks (``override_module_apply``). It first probes, for every offloaded weight below the
   module, what ``fn`` makes of a 0-element tensor of its device dtype on the
   ring's device. If that keeps device and dtype (``model.to(handle.device)``),
   the offloaded weights stay on the host -- they reach the device through
@@ -35,12 +35,12 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List
 import torch
 from torch import nn
 
-from ..torch_private import module_hook_dicts, module_parameters
+from ..torch_private import MODULE_APPLY, module_apply, module_hook_dicts, module_parameters, override_module_apply
 
 if TYPE_CHECKING:
     from .layer_offload import LayerOffload
 
-ATTRS = ("_apply", "__deepcopy__", "_hipferry_offload")  # instance attributes hipferry sets
+ATTRS = (MODULE_APPLY, "__deepcopy__", "_hipferry_offload")  # instance attributes hipferry sets
 
 
 class ModelIntegration:
@@ -67,7 +67,7 @@ class ModelIntegration:
         ref = weakref.ref(handle)
         for m in self.modules:
             m.__dict__["_hipferry_offload"] = ref
-            m.__dict__["_apply"] = partial(self._apply, m)
+            override_module_apply(m, partial(self.convert, m))
             m.__dict__["__deepcopy__"] = partial(self._deepcopy, m)
         by_module: Dict[int, Any] = {}
         for blk in handle.blocks:
@@ -88,7 +88,7 @@ class ModelIntegration:
                 m.__dict__.pop(a, None)
 
     # ------------------------------------------------------------ model.to() and friends
-    def _apply(self, module: nn.Module, fn: Callable, recurse: bool = True) -> nn.Module:
+    def convert(self, module: nn.Module, fn: Callable, recurse: bool = True) -> nn.Module:
         handle = self.handle_ref()
         entries = self.entries_under[id(module)]
         for e in entries:
@@ -103,7 +103,7 @@ class ModelIntegration:
                     "handle.undo() first, or offload with the device=/dtype= you want")
         if id(module) in self.block_ids:
             return _apply_except(module, fn, {id(e.param) for e in entries})
-        return nn.Module._apply(module, fn, recurse)
+        return module_apply(module, fn, recurse)
 
     # ------------------------------------------------------------ copy.deepcopy
     def _deepcopy(self, module: nn.Module, memo: Dict[int, Any]) -> nn.Module:
@@ -159,7 +159,7 @@ def _is_ours(fn: Any, handle: "LayerOffload", integration: ModelIntegration) -> 
 
 
 def _apply_except(block: nn.Module, fn: Callable, skip: set) -> nn.Module:
-    """nn.Module._apply over the block's submodules, leaving the parameters in
+    """torch's module_apply over the block's submodules, leaving the parameters in
     `skip` (offloaded: on the host) alone -- their slots hold None meanwhile,
     so names and order stay."""
     for sub in block.modules():
@@ -168,7 +168,7 @@ def _apply_except(block: nn.Module, fn: Callable, skip: set) -> nn.Module:
         for k, _ in held:
             params[k] = None
         try:
-            nn.Module._apply(sub, fn, recurse=False)
+            module_apply(sub, fn, recurse=False)
         finally:
             for k, p in held:
                 params[k] = p

@@ -7,7 +7,6 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from ..pool import PinnedPool
 from .state import LOW_PRECISION, local
 
 # Real dtypes the fused kernels step (float64 steps with torch ops: layout.torch_ops_step).
@@ -265,9 +264,10 @@ def validate_step(param_groups: List[dict], slots: Dict[torch.Tensor, Any], stat
     return work, added
 
 
-def check_options(*, skip_nonfinite: Any, overlap: Any, step_on: Any, state_dtype: Any, pool: Any,
+def check_options(*, skip_nonfinite: Any, overlap: Any, step_on: Any, state_dtype: Any,
                   min_offload_numel: Any, chunk_numel: Any, ring_slots: Any, min_8bit_numel: Any) -> None:
-    """OffloadAdamW's own constructor arguments (torch's are checked with the groups)."""
+    """OffloadAdamW's own constructor arguments (torch's are checked with the
+    groups, the pool by resolve_pool)."""
     check_flag(skip_nonfinite, "skip_nonfinite")
     if overlap not in (None, "backward"):
         raise ValueError(f"OffloadAdamW: overlap must be None or 'backward', got {overlap!r}")
@@ -279,8 +279,6 @@ def check_options(*, skip_nonfinite: Any, overlap: Any, step_on: Any, state_dtyp
     if state_dtype == torch.uint8 and step_on == "gpu":
         raise ValueError("OffloadAdamW: state_dtype=torch.uint8 steps on the CPU (the GPU-streamed engine moves "
                          "float32 state only); use step_on='cpu' or 'auto'")
-    if pool is not None and not isinstance(pool, PinnedPool):
-        raise TypeError(f"OffloadAdamW: pool must be a hipferry.PinnedPool or None, got {type(pool).__name__}")
     for name, value, low in (("min_offload_numel", min_offload_numel, 0), ("chunk_numel", chunk_numel, 1),
                              ("ring_slots", ring_slots, 2), ("min_8bit_numel", min_8bit_numel, 0)):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:

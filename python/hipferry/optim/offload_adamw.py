@@ -21,7 +21,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional
 
 import torch
 
-from ..pool import PinnedPool, default_pool
+from ..pool import PinnedPool, resolve_pool
+from ..torch_private import supports_amp_scaling
 from .checks import (check_flag, check_group_options, check_norm_args, check_options, check_param, grads_finite,
                      group_hyper, param_dtype, split_params, squeezed_betas, unordered_params_message, validate_step)
 from .engines import HostForGpuEngine, InPlaceEngine, StepItem, StreamedEngine, choose_step_on
@@ -42,6 +43,7 @@ from .write_tracking import reread_if_written
 log = logging.getLogger("hipferry.optim")
 
 
+@supports_amp_scaling  # GradScaler hands step() grad_scale and found_inf (see scaler_driven in step)
 class OffloadAdamW(StatePersistence, torch.optim.Optimizer):
     """torch.optim.AdamW with its state in pinned host memory (see module doc).
 
@@ -66,7 +68,7 @@ class OffloadAdamW(StatePersistence, torch.optim.Optimizer):
             raise ValueError("OffloadAdamW: fused=True and foreach=True cannot be given together (as in "
                              "torch.optim.AdamW); both are ignored, pass at most one")
         check_options(skip_nonfinite=skip_nonfinite, overlap=overlap, step_on=step_on, state_dtype=state_dtype,
-                      pool=pool, min_offload_numel=min_offload_numel, chunk_numel=chunk_numel, ring_slots=ring_slots,
+                      min_offload_numel=min_offload_numel, chunk_numel=chunk_numel, ring_slots=ring_slots,
                       min_8bit_numel=min_8bit_numel)
         check_disk_options(state_dir, disk, overlap, step_on)
         if isinstance(params, (set, frozenset)):
@@ -75,7 +77,7 @@ class OffloadAdamW(StatePersistence, torch.optim.Optimizer):
         self._settings = dict(step_on=step_on, min_offload_numel=min_offload_numel, chunk_numel=chunk_numel,
                               ring_slots=ring_slots, skip_nonfinite=skip_nonfinite, overlap=overlap,
                               state_dtype=state_dtype, min_8bit_numel=min_8bit_numel)
-        self._pool = pool or default_pool()
+        self._pool = resolve_pool(pool, "OffloadAdamW")
         ram = Int8Store(self._pool, min_8bit_numel) if state_dtype == torch.uint8 else Float32Store(self._pool)
         self._grad_copies = GradCopies(self._pool)
         self._in_place = InPlaceEngine(ram)
@@ -234,7 +236,7 @@ class OffloadAdamW(StatePersistence, torch.optim.Optimizer):
         for p, tensors in added:
             self.state[p].update(tensors)
         self.last_step_skipped = False
-        scaler_driven = hasattr(self, "found_inf")  # torch.amp.GradScaler.step (see _step_supports_amp_scaling)
+        scaler_driven = hasattr(self, "found_inf")  # torch.amp.GradScaler.step (see supports_amp_scaling)
         if (scaler_driven and float(self.found_inf) > 0) or \
                 (self._settings["skip_nonfinite"] and work and not grads_finite([p for _, p in work])):
             self.skipped_steps += 1
@@ -300,11 +302,6 @@ class OffloadAdamW(StatePersistence, torch.optim.Optimizer):
             self._streamed.step(streamed)
         if host_gpu:
             self._host_for_gpu.step(host_gpu)
-
-    # torch.amp.GradScaler: hand this optimizer `grad_scale` and `found_inf`
-    # instead of unscaling the gradients itself, which it does in place without a
-    # version bump, unseen by the CPU engine's gradient copies.
-    _step_supports_amp_scaling = True
 
     # ------------------------------------------------- writes outside step()
     @torch.no_grad()

@@ -8,6 +8,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from ..pool import PinnedPool
+from ..torch_private import optimizer_load_state_dict_hooks
 from .checks import TORCH_FLAG_DEFAULTS, check_loadable
 from .disk import persistence as disk
 from .int8_store import check_saved, restore_key
@@ -46,7 +47,7 @@ class StatePersistence:
         if not isinstance(state_dict, dict):
             raise ValueError(f"OffloadAdamW.load_state_dict: expected a dict, got {type(state_dict).__name__}")
         state_dict = state_dict.copy()
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+        for pre_hook in optimizer_load_state_dict_hooks(self)[0]:
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
@@ -79,7 +80,7 @@ class StatePersistence:
                     st.pop("max_exp_avg_sq_absmax", None)
                 self._restore_state(p, st, by_param.get(p))
         self._grad_copies.drop(self._slots.values())
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+        for post_hook in optimizer_load_state_dict_hooks(self)[1]:
             post_hook(self)
 
     def _restore_state(self, p: torch.Tensor, st: dict, saved: Optional[dict]) -> None:

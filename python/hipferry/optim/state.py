@@ -5,13 +5,15 @@ from typing import Any, Dict
 
 import torch
 
+from ..torch_private import dtensor_local
+
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """The tensor this rank owns: a DTensor's local shard (FSDP2), else t."""
-    inner = getattr(t, "_local_tensor", None)
-    return inner if isinstance(inner, torch.Tensor) else t
+    inner = dtensor_local(t)
+    return t if inner is None else inner
 
 
 def to_global_state(p: torch.Tensor, st: dict) -> dict:
