@@ -25,8 +25,8 @@ from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
-# One version, in the package (hipferry.__version__).
-VERSION = re.search(r'^__version__ = "([^"]+)"', (ROOT / "python/hipferry/__init__.py").read_text(), re.M).group(1)
+# One version, in the package (hipferry.__version__, from hipferry/version.py).
+VERSION = re.search(r'^__version__ = "([^"]+)"', (ROOT / "python/hipferry/version.py").read_text(), re.M).group(1)
 
 
 def default_build_dir() -> Path:

@@ -2,7 +2,7 @@
 
 Importing hipferry registers its ops under ``torch.ops.hipferry``.
 """
-__version__ = "0.1.0"
+from .version import __version__  # noqa: F401,E402  (one version: version.py)
 
 import torch  # noqa: F401  (loads libc10/libtorch before the extension)
 

@@ -98,6 +98,13 @@ class _Record:
         self.ahead = None      # Transfer of a prefetch back, until unpacked
 
 
+@dataclass
+class _Entry:
+    """One open `with` of an offload_activations: its pack hook and the hooks it passes to."""
+    pack: Any
+    outer: Any
+
+
 def _dense_permutation(t: torch.Tensor) -> Optional[List[int]]:
     """Dims ordered so that t.permute(perm) is contiguous, or None if t is not
     dense (has gaps or overlaps)."""
@@ -137,7 +144,7 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):
             raise ValueError(f"{API}: max_in_flight must be > 0 bytes, got {max_in_flight!r}")
         self.pool = resolve_pool(pool, API)
         self._stats = ActivationStats()
-        self._outer: List[Any] = []
+        self._open: List[_Entry] = []                   # per open `with`, innermost last
         self._entered: List[Tuple[int, int, int]] = []  # per open `with`: counters at entry (the warning)
         self._largest_small = 0                        # bytes of the largest saved tensor under min_bytes
         # The copies out not settled yet, oldest first. Its callbacks hold their records weakly:
@@ -149,13 +156,23 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):
         self._by_tensor: Dict[int, Tuple[weakref.ref, weakref.ref, int]] = {}  # id -> (tensor, record, version)
         self._ahead: "weakref.WeakSet[_Record]" = weakref.WeakSet()             # records prefetched back
         self._lock = threading.RLock()  # a model on two GPUs: two autograd device threads unpack at once
-        super().__init__(self._locked(self._pack), self._locked(self._unpack))
+        super().__init__(self._locked(partial(self._pack, None)), self._locked(self._unpack))
+        self._first_pack = self.pack_hook
 
     def __enter__(self):
-        self._outer.append(current_hooks())
+        # Each `with` pushes a pack hook of its own that passes what it keeps to the hooks
+        # in effect before it. Entering this context again inside itself nests like a
+        # counter: it passes to what the outer entry passes to, never to itself.
+        outer = current_hooks()
+        ours = next((e for e in self._open if outer is not None and outer[0] is e.pack), None)
+        if ours is not None:
+            outer = ours.outer
+        entry = _Entry(self._locked(partial(self._pack, outer)), outer)
+        self._open.append(entry)
         s = self._stats
         self._entered.append((s.offloaded_tensors + s.deduplicated, s.kept_small, self._largest_small))
         self._largest_small = 0
+        self.pack_hook = entry.pack  # what saved_tensors_hooks.__enter__ pushes
         super().__enter__()
         return self
 
@@ -163,7 +180,8 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):
         try:
             return super().__exit__(*exc)
         finally:
-            self._outer.pop()
+            self._open.pop()
+            self.pack_hook = self._open[-1].pack if self._open else self._first_pack
             moved, small, largest_before = self._entered.pop()
             largest, self._largest_small = self._largest_small, max(largest_before, self._largest_small)
             s = self._stats
@@ -194,8 +212,8 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):
             return "kept_small"
         return None
 
-    def _pack(self, t: torch.Tensor) -> Any:
-        outer = self._outer[-1] if self._outer else None
+    def _pack(self, outer: Any, t: torch.Tensor) -> Any:
+        """`outer`: the hooks in effect when this pack hook's `with` began."""
         why = self._keep_reason(t)
         perm = None if why else _dense_permutation(t)
         if why is None and perm is None:

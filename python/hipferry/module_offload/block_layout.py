@@ -4,6 +4,9 @@ A block's weights are packed into one pinned host buffer per (host dtype,
 device dtype) pair -- a "segment" -- at the same element offsets they get in
 a ring slot, so bringing a block in is one copy per segment (one DMA, or one
 fused copy+cast kernel when the host keeps another dtype).
+
+This module owns the Block, Entry and Segment records: it alone writes their
+fields (the functions at the end); the other modules read them.
 """
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -13,6 +16,7 @@ from torch import nn
 
 from ..torch_private import module_parameters
 
+API = "hipferry.offload_layers"  # how messages of offload_layers and its handle name it
 ALIGN_BYTES = 256  # each weight starts on a 256-byte boundary in a slot (vector loads, as torch's allocator)
 CONVERTIBLE = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -77,39 +81,38 @@ def default_layers(model: nn.Module) -> List[nn.Module]:
         if n > best_bytes:
             best, best_bytes = m, n
     if best is None:
-        raise ValueError("hipferry.offload_layers: model has nothing to offload: it has no nn.ModuleList or "
+        raise ValueError(f"{API}: model has nothing to offload: it has no nn.ModuleList or "
                          "nn.Sequential of at least 2 blocks with parameters; pass layers=[...] to choose the "
                          "submodules whose weights live on the host")
     return list(best)
 
 
 def check_layers(model: nn.Module, layers: Sequence[nn.Module]) -> List[nn.Module]:
-    api = "hipferry.offload_layers"
     if isinstance(layers, nn.Module) and not isinstance(layers, (nn.ModuleList, nn.Sequential)):
-        raise TypeError(f"{api}: layers must be a list of submodules of model (or an nn.ModuleList), "
+        raise TypeError(f"{API}: layers must be a list of submodules of model (or an nn.ModuleList), "
                         f"got a single {type(layers).__name__}")
     try:
         layers = list(layers)
     except TypeError:
-        raise TypeError(f"{api}: layers must be a list of submodules of model, got {type(layers).__name__}") from None
+        raise TypeError(f"{API}: layers must be a list of submodules of model, got {type(layers).__name__}") from None
     if not layers:
-        raise ValueError(f"{api}: layers is empty; expected at least one submodule of model")
+        raise ValueError(f"{API}: layers is empty; expected at least one submodule of model")
     names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
     unique, seen = [], set()
     for i, m in enumerate(layers):
         if not isinstance(m, nn.Module):
-            raise TypeError(f"{api}: layers[{i}] is a {type(m).__name__}; expected an nn.Module")
+            raise TypeError(f"{API}: layers[{i}] is a {type(m).__name__}; expected an nn.Module")
         if id(m) not in names:
-            raise ValueError(f"{api}: layers[{i}] ({type(m).__name__}) is not a submodule of model")
+            raise ValueError(f"{API}: layers[{i}] ({type(m).__name__}) is not a submodule of model")
         if m is model:
-            raise ValueError(f"{api}: layers[{i}] is the model itself; expected its blocks (submodules)")
+            raise ValueError(f"{API}: layers[{i}] is the model itself; expected its blocks (submodules)")
         if id(m) not in seen:  # a block listed twice is one block
             seen.add(id(m))
             unique.append(m)
     for i, a in enumerate(unique):
         for j, b in enumerate(unique):
             if i != j and any(sub is a for sub in b.modules()):
-                raise ValueError(f"{api}: layers contains {names[id(a)]!r} inside {names[id(b)]!r}; "
+                raise ValueError(f"{API}: layers contains {names[id(a)]!r} inside {names[id(b)]!r}; "
                                  "expected blocks that do not contain each other")
     return unique
 
@@ -147,7 +150,7 @@ def plan_blocks(model: nn.Module, layers: List[nn.Module], host_dtype: Optional[
             hd = p.dtype
             if host_dtype is not None and p.dtype.is_floating_point:
                 if p.dtype not in CONVERTIBLE or host_dtype not in CONVERTIBLE:
-                    raise ValueError(f"hipferry.offload_layers: dtype={host_dtype} cannot hold parameter "
+                    raise ValueError(f"{API}: dtype={host_dtype} cannot hold parameter "
                                      f"{names[id(p)]!r} of dtype {p.dtype}; expected float32, float16 or "
                                      "bfloat16 on both sides")
                 hd = host_dtype
@@ -157,6 +160,47 @@ def plan_blocks(model: nn.Module, layers: List[nn.Module], host_dtype: Optional[
             _lay_out(block)
             blocks.append(block)
     return blocks, shared
+
+
+def allocate_host_buffers(blocks: List[Block], pool) -> None:
+    """Each segment's pinned host buffer from `pool` (a PinnedPool); all or none:
+    on a failure (torch.OutOfMemoryError) those taken are released and it is re-raised."""
+    try:
+        for blk in blocks:
+            for seg in blk.segments:
+                seg.host = pool.empty(seg.numel, dtype=seg.host_dtype)
+    except BaseException:
+        release_host_buffers(blocks)
+        raise
+
+
+def move_weights_to_host(blocks: List[Block]) -> None:
+    """Every weight copied into its place in its segment's host buffer (converted
+    to the host dtype), then every parameter repointed at that view, its
+    gradient moved along: no parameter changes before every copy is made."""
+    with torch.no_grad():
+        views = []
+        for blk in blocks:
+            for e in blk.entries:
+                v = blk.segments[e.segment].host[e.offset:e.offset + e.numel].view(e.shape)
+                v.copy_(e.param.detach())
+                views.append((e, v))
+        for e, v in views:
+            p = e.param
+            grad = p.grad
+            p.grad = None
+            p.data = v
+            e.host_ptr = v.data_ptr()
+            if grad is not None:
+                p.grad = grad.to(device="cpu", dtype=e.host_dtype)
+
+
+def remember_origins(blocks: List[Block], origin: Dict[int, torch.device]) -> None:
+    """Where ``undo()`` puts weights back: ``origin[id(param)]`` for those listed
+    (a deep copy's weights go back where the original's were)."""
+    for blk in blocks:
+        for e in blk.entries:
+            e.orig_device = origin.get(id(e.param), e.orig_device)
 
 
 def release_host_buffers(blocks: List[Block]) -> None:

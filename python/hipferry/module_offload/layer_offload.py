@@ -25,7 +25,7 @@ Note [offloaded blocks]
   version shows (optimizer steps that bump none, e.g. fused AdamW, writes
   through ``.data`` as PEFT's merge does). Within a call, parameter versions
   decide (see Note [layer ring]); ``invalidate()`` is "I changed the weights".
-* With grad enabled, each device tensor comes from ``_DeviceWeight``, whose
+* With grad enabled, each device tensor comes from ``DeviceWeight`` (block_weights.py), whose
   backward sends the weight gradient device->host (``hipferry.offload``, on the
   copy stream, into the pool) as soon as backward produces it; at the end of
   backward the copies are waited for and accumulated into the parameters'
@@ -36,7 +36,7 @@ Note [offloaded blocks]
   host parameters as inputs is not supported (they get no gradient through it).
 * Weights that autograd saves for backward are not kept: a saved-tensor hook
   recognizes views of ring slots -- and autocast's copies of a whole weight in
-  another dtype (the cast's grad_fn leads to ``_DeviceWeight``; weights that
+  another dtype (the cast's grad_fn leads to ``DeviceWeight`` (block_weights.py); weights that
   require grad only) -- and saves (block, offset, shape, stride[, dtype]);
   backward brings the block in again, prefetching in reverse order the blocks
   that still have saved weights. Other saved tensors go to the hooks outside
@@ -61,81 +61,23 @@ import torch
 from torch import nn
 
 from ..pool import PinnedPool
-from ..torch_private import (current_graph_task_id, in_backward, is_dtype_cast_node, module_parameters,
-                             queue_end_of_backward, tensor_base, tree_flatten)
+from ..torch_private import current_graph_task_id, in_backward, queue_end_of_backward, tensor_base, tree_flatten
 from ..trace import trace_region
-from .block_layout import Block, release_host_buffers
+from .block_layout import API, Block, release_host_buffers
+from .block_weights import BlockRun, WeightRef, cast_source, check_entries, put_back, put_in_place
 from .grad_sink import GradSink
 from .layer_ring import LayerRing
-from .model_integration import ModelIntegration
+from .model_integration import ModelIntegration, Offload
+from .prediction import backward_future, forward_future, recompute_future
 from .saved_hooks import Passed, current_hooks
-
-API = "hipferry.offload_layers"
-
-
-class _Box:
-    """Hides a tensor from autograd's input detection."""
-    __slots__ = ("t",)
-
-    def __init__(self, t: torch.Tensor):
-        self.t = t
-
-
-class _DeviceWeight(torch.autograd.Function):
-    """Device copy of a host parameter; its gradient goes back to the host."""
-
-    @staticmethod
-    def forward(ctx, anchor, box, sink, entry, where):
-        # `anchor`: a leaf that requires grad, so the output does; not the host
-        # parameter, whose AccumulateGrad node would run its post-accumulate-grad
-        # hooks with no gradient (the sink delivers it at the end of backward).
-        # `where`: (block, entry index), for recognizing casts of it (autocast).
-        ctx.sink, ctx.entry, ctx.where = sink, entry, where
-        return box.t
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.sink.add(ctx.entry, grad)
-        return None, None, None, None, None
-
-
-class _WeightRef:
-    """What autograd keeps of a saved weight view: where it is, not its memory
-    (`cast`: it was a copy of it in that dtype, made by autocast; made again)."""
-    __slots__ = ("owner", "block", "dtype", "size", "stride", "offset", "versions", "cast", "view", "__weakref__")
-
-    def __init__(self, owner: "LayerOffload", block: int, t: torch.Tensor, versions: Tuple[int, ...],
-                 cast: Optional[torch.Tensor] = None):
-        self.owner, self.block = owner, block
-        self.dtype, self.size, self.stride, self.offset = t.dtype, t.size(), t.stride(), t.storage_offset()
-        self.versions = versions
-        # The saved cast (or a view of it, e.g. its transpose): its dtype and geometry.
-        self.cast = None if cast is None else cast.dtype
-        self.view = None if cast is None else (cast.size(), cast.stride(), cast.storage_offset())
-        owner._live[block] += 1
-
-    def __del__(self):
-        self.owner._live[self.block] -= 1
-
-
-class _BlockRun:
-    """One block call in progress: what its pre-hook put in place."""
-    __slots__ = ("block", "slot", "saved", "hooks", "pass_owner", "trace")
-
-    def __init__(self, block: int, slot, saved, hooks, pass_owner: bool, trace=None):
-        self.block = block            # index of the block
-        self.slot = slot              # its pinned ring slot
-        self.saved = saved            # (parameter dict, name, what was there) to put back
-        self.hooks = hooks            # the saved_tensors_hooks entered for it, or None
-        self.pass_owner = pass_owner  # the block was called alone: its call is a model call
-        self.trace = trace            # its trace_region, entered
 
 
 class LayerOffload:
     """Handle returned by :func:`offload_layers`: counters, ``invalidate()``, ``undo()``."""
 
     def __init__(self, model: nn.Module, blocks: List[Block], shared: List[str], ring: LayerRing,
-                 prefetch: int, pool: PinnedPool, moved: List[Callable[[], None]], dtype: Optional[torch.dtype]):
+                 prefetch: int, pool: PinnedPool, moved: List[Callable[[], None]], dtype: Optional[torch.dtype],
+                 offload: Offload):
         self.model, self.blocks, self.ring, self.prefetch, self.pool = model, blocks, ring, prefetch, pool
         self.device = ring.device
         self.dtype = dtype                  # host dtype asked for (None: as the parameters)
@@ -144,21 +86,21 @@ class LayerOffload:
         # Gradients of about two blocks may be in flight to the host at once.
         self._sink = GradSink(pool, 2 * ring.slot_bytes, self._release_unpack_slot)
         self._unpack_slot = None        # slot of the last weight handed to backward (see _unpack)
-        self._anchor = torch.zeros((), requires_grad=True)  # see _DeviceWeight
+        self._anchor = torch.zeros((), requires_grad=True)  # see DeviceWeight
         self._saved_casts = 0           # autocast copies of weights saved as references
         self._live = [0] * len(blocks)
         self._order = list(range(len(blocks)))  # blocks in call order of the last complete model call
         self._pass: Optional[List[int]] = None  # of the model call running now
         self._pos = 0
         self._calls: List[int] = []     # id() of the hooked modules whose call is running (outside backward)
-        self._runs: List[_BlockRun] = []  # block calls in progress, innermost last
-        self._backward: Dict[int, _BlockRun] = {}  # graph task -> the block its backward is in
+        self._runs: List[BlockRun] = []  # block calls in progress, innermost last
+        self._backward: Dict[int, BlockRun] = {}  # graph task -> the block its backward is in
         self._passes = 0                # model calls begun (each refreshes the resident copies)
         self._closed = False
         # Parameters of each block when offloaded (its entries and the shared ones on the device).
         self._known = [{id(p) for p in blk.module.parameters()} for blk in blocks]
         self._hooks = []
-        self._integration = ModelIntegration(self)
+        self._integration = ModelIntegration(self, offload)  # offload: how a deep copy is offloaded again
         # The hooks run eagerly under torch.compile. Disabled here, not with a
         # decorator: torch.compiler.disable imports dynamo (seconds),
         # which `import hipferry` would otherwise pay on every run.
@@ -299,79 +241,20 @@ class LayerOffload:
             self._unpack_slot = None
 
     def _forward_future(self, b: int) -> List[int]:
-        order = self._order
         if self._pass is not None:
             self._pass.append(b)
-        j = self._pos if self._pos < len(order) and order[self._pos] == b else None
-        if j is None:
-            later = [i for i in range(self._pos, len(order)) if order[i] == b]
-            anywhere = [i for i, x in enumerate(order) if x == b]
-            j = later[0] if later else (anywhere[0] if anywhere else None)
-        if j is None:
-            return list(order)
-        self._pos = j + 1
-        # With grad, backward follows in reverse; without, the next call starts from fresh copies.
-        return order[j + 1:] + (list(reversed(order)) if torch.is_grad_enabled() else [])
+        future, self._pos = forward_future(self._order, self._pos, b, torch.is_grad_enabled())
+        return future
 
     def _backward_future(self, b: int) -> List[int]:
-        rev = list(reversed(self._order))
-        k = rev.index(b) if b in rev else 0
-        waiting = [x for x in rev[k + 1:] + rev[:k] if self._live[x] > 0 and x != b]
-        # No saved weights (reentrant checkpointing ran forward without grad, and
-        # recomputes blocks in backward): backward still visits them in reverse.
-        return waiting if waiting else [x for x in rev[k + 1:] if x != b]
-
-    def _recompute_future(self, b: int) -> List[int]:
-        """Activation checkpointing reruns blocks in forward order inside backward:
-        the rest of the rerun (later blocks still waiting for their backward, or,
-        before any has saved weights, simply the next ones), then backward."""
-        order = self._order
-        j = order.index(b) if b in order else len(order)
-        waiting = any(self._live)
-        rest = [x for x in order[j + 1:] if self._live[x] > 0 or not waiting]
-        return rest + self._backward_future(b)
+        return backward_future(self._order, self._live, b)
 
     # ------------------------------------------------------------ a block's forward
-    def _check_entries(self, blk: Block) -> None:
-        for e in blk.entries:
-            p = e.param
-            if p.device.type != "cpu" or p.data_ptr() != e.host_ptr:
-                raise RuntimeError(f"{API}: parameter {e.name!r} was moved or replaced after offload_layers "
-                                   "(e.g. by assigning .data); call handle.undo() first")
-        known = self._known[blk.index]
-        for p in blk.module.parameters():  # (every call: names only for the error)
-            if id(p) not in known and p.device != self.device:
-                name = next(n for n, q in blk.module.named_parameters() if q is p)
-                raise RuntimeError(
-                    f"{API}: block {blk.name!r} has a parameter {name!r} on {p.device} that was added after "
-                    f"offload_layers (e.g. PEFT adapters from get_peft_model on the offloaded model), while the "
-                    f"block runs on {self.device}; add adapters first and offload the PEFT model, or call "
-                    "handle.undo() and offload_layers again")
-
-    def _put_in_place(self, blk: Block, slot, grad: bool) -> list:
-        """Device tensors of `slot` in the block's parameter slots; returns what was there."""
-        tensors = self.ring.tensors(blk.index, slot)
-        if grad:
-            tensors = [_DeviceWeight.apply(self._anchor, _Box(t), self._sink, e, (blk.index, i))
-                       if e.param.requires_grad else t for i, (e, t) in enumerate(zip(blk.entries, tensors))]
-        saved = []
-        for e, t in zip(blk.entries, tensors):
-            for m, attr in e.refs:
-                params = module_parameters(m)
-                saved.append((params, attr, params[attr]))
-                params[attr] = t
-        return saved
-
-    @staticmethod
-    def _put_back(saved: list) -> None:
-        for params, attr, old in reversed(saved):
-            params[attr] = old
-
     def _block_begins(self, b: int, module, args) -> None:
         if self._closed:
             raise RuntimeError(f"{API}: this offload was undone; the block runs unmodified")
         blk = self.blocks[b]
-        self._check_entries(blk)
+        check_entries(blk, self._known[blk.index], self.device)
         backward = in_backward()  # recomputation by activation checkpointing
         owner = not backward and not self._calls  # a block called alone is a model call of its own
         if owner:
@@ -379,12 +262,12 @@ class LayerOffload:
             self._calls.append(id(module))
         slot, saved, hooks = None, [], None
         try:
-            future = self._recompute_future(b) if backward else self._forward_future(b)
+            future = recompute_future(self._order, self._live, b) if backward else self._forward_future(b)
             slot = self.ring.acquire(b, future, self.prefetch, pin=True)
             grad = torch.is_grad_enabled()
-            saved = self._put_in_place(blk, slot, grad)
+            saved = put_in_place(blk, self.ring.tensors(blk.index, slot), grad, self._anchor, self._sink)
             if grad:
-                versions = self.ring._versions(b)
+                versions = self.ring.versions(b)
                 outer = current_hooks()
                 hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(outer, versions, t),
                                                                  self._unpack)
@@ -392,7 +275,7 @@ class LayerOffload:
         except BaseException:
             # The post-hook will find no run of this call: undo here what it began
             # (a model call left open would keep later calls from refreshing copies).
-            self._put_back(saved)
+            put_back(saved)
             if slot is not None:
                 self.ring.release(slot)
             if owner:
@@ -401,7 +284,7 @@ class LayerOffload:
             raise
         trace = trace_region(blk.name, track="offload_layers blocks")
         trace.__enter__()
-        self._runs.append(_BlockRun(b, slot, saved, hooks, owner, trace))
+        self._runs.append(BlockRun(b, slot, saved, hooks, owner, trace))
 
     def _block_ends(self, b: int, module, args, output) -> Any:
         if not self._runs or self._runs[-1].block != b:
@@ -411,7 +294,7 @@ class LayerOffload:
         try:
             if run.hooks is not None:
                 run.hooks.__exit__(None, None, None)
-            self._put_back(run.saved)
+            put_back(run.saved)
         finally:
             self.ring.release(run.slot)
             if run.pass_owner and self._calls and self._calls[-1] == id(module):
@@ -445,11 +328,11 @@ class LayerOffload:
         slot = self.ring.acquire(b, self._backward_future(b), self.prefetch, pin=True)
         try:
             with torch.enable_grad():  # what recomputes the block must save what its forward saved
-                saved = self._put_in_place(blk, slot, grad=True)
+                saved = put_in_place(blk, self.ring.tensors(b, slot), True, self._anchor, self._sink)
         except BaseException:
             self.ring.release(slot)
             raise
-        self._backward[task] = _BlockRun(b, slot, saved, None, False)
+        self._backward[task] = BlockRun(b, slot, saved, None, False)
 
     def _end_backward_runs(self) -> None:
         """Every block's backward in progress ends (backward raised or is over)."""
@@ -459,35 +342,21 @@ class LayerOffload:
     def _backward_ends(self, task: int) -> None:
         run = self._backward.pop(task, None)
         if run is not None:
-            self._put_back(run.saved)
+            put_back(run.saved)
             self.ring.release(run.slot)
 
     # ------------------------------------------------------------ saved weights
     def _pack(self, outer, versions: Tuple[int, ...], t: torch.Tensor) -> Any:
         slot = self.ring.slot_of(t)
         if slot is not None and slot.block is not None:
-            return _WeightRef(self, slot.block, t, versions)
+            return WeightRef(self._live, slot.block, t, versions)
         base = tensor_base(t)
-        source = self._cast_source(t if base is None else base)
+        source = cast_source(t if base is None else base, self._sink, self.blocks)
         if source is not None:
             b, i = source
             self._saved_casts += 1
-            return _WeightRef(self, b, self.ring.tensors(b, slot=None, only=i)[0], versions, cast=t)
+            return WeightRef(self._live, b, self.ring.tensors(b, slot=None, only=i)[0], versions, cast=t)
         return Passed(outer, t)
-
-    def _cast_source(self, t: torch.Tensor) -> Optional[Tuple[int, int]]:
-        """(block, entry) when `t` is a whole-weight dtype copy of a ring weight
-        (autocast's cast before a matmul), else None."""
-        fn = t.grad_fn
-        if not is_dtype_cast_node(fn) or not fn.next_functions:
-            return None
-        src = fn.next_functions[0][0]
-        if getattr(src, "sink", None) is not self._sink:
-            return None
-        b, i = src.where
-        if tuple(t.shape) != self.blocks[b].entries[i].shape or not t.is_contiguous():
-            return None
-        return b, i
 
     def _unpack(self, obj: Any) -> torch.Tensor:
         if isinstance(obj, Passed):
@@ -495,12 +364,12 @@ class LayerOffload:
         if self._closed:
             raise RuntimeError(f"{API}: backward needs weights of block {self.blocks[obj.block].name!r}, "
                                "but the offload was undone after forward")
-        if self.ring._versions(obj.block) != obj.versions:
+        if self.ring.versions(obj.block) != obj.versions:
             self._end_backward_runs()  # this backward ends here: the host parameters go back
             raise RuntimeError(f"{API}: a weight of block {self.blocks[obj.block].name!r} that backward needs "
                                "was modified in place after forward (an optimizer step before backward?)")
         run = self._backward.get(current_graph_task_id())
-        if run is not None and run.block == obj.block and self.ring._valid(run.slot):
+        if run is not None and run.block == obj.block and self.ring.is_current(run.slot):
             slot = run.slot  # pinned for the block's whole backward
         else:
             # The slot stays pinned until the next weight is handed out: the node that

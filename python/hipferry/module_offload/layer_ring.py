@@ -36,7 +36,7 @@ import torch
 
 from .. import _C
 from ..torch_private import tensor_version
-from .block_layout import Block
+from .block_layout import API, Block
 
 LOG_LENGTH = 4096  # fetch/use events kept for inspection
 
@@ -122,7 +122,7 @@ class LayerRing:
         self._clock += 1
         future = [x for x in future if x != b]
         slot = self.resident.get(b)
-        if slot is not None and not self._valid(slot):
+        if slot is not None and not self.is_current(slot):
             self._drop(slot)  # host weights changed since the copy
             slot = None
         if slot is None:
@@ -176,18 +176,22 @@ class LayerRing:
         by a stream: the host may free their sources after this)."""
         self.copier.drain()
 
+    def versions(self, b: int) -> Tuple[int, ...]:
+        """Block b's host parameter versions now (in-place writes bump them)."""
+        return tuple(tensor_version(e.param) for e in self.blocks[b].entries)
+
+    def is_current(self, slot: Slot) -> bool:
+        """Whether `slot`'s copy still matches its block's host weights: no
+        ``invalidate()`` and no in-place write since it was copied."""
+        return (slot.block is not None and slot.generation == self.generation
+                and slot.versions == self.versions(slot.block))
+
     def close(self) -> None:
         self.copier.close()  # waits for every copy started
         self.resident.clear()
         self.slots, self.by_storage = [], {}
 
     # ------------------------------------------------------------ inside
-    def _versions(self, b: int) -> Tuple[int, ...]:
-        return tuple(tensor_version(e.param) for e in self.blocks[b].entries)
-
-    def _valid(self, slot: Slot) -> bool:
-        return slot.generation == self.generation and slot.versions == self._versions(slot.block)
-
     def _drop(self, slot: Slot) -> None:
         if slot.block is not None and self.resident.get(slot.block) is slot:
             del self.resident[slot.block]
@@ -196,7 +200,7 @@ class LayerRing:
     def _prefetch(self, wanted: List[int], future: List[int]) -> None:
         for b in wanted:
             slot = self.resident.get(b)
-            if slot is not None and self._valid(slot):
+            if slot is not None and self.is_current(slot):
                 continue
             if slot is not None:
                 self._drop(slot)
@@ -210,7 +214,7 @@ class LayerRing:
         if not free:
             if demand:
                 raise RuntimeError(
-                    f"hipferry.offload_layers: block {self.blocks[b].name!r} is needed while all "
+                    f"{API}: block {self.blocks[b].name!r} is needed while all "
                     f"{len(self.slots)} ring slots hold blocks that are in use (blocks called from inside "
                     "each other, or activation checkpointing recomputing blocks while backward holds a "
                     "weight); use a larger prefetch= so the ring has more slots")
@@ -246,7 +250,7 @@ class LayerRing:
                 self.stats.bytes_moved += seg.numel * seg.host_dtype.itemsize
             slot.copy = self.copier.start(pairs)
         slot.block, slot.prefetched = b, ahead
-        slot.versions, slot.generation = self._versions(b), self.generation
+        slot.versions, slot.generation = self.versions(b), self.generation
         self.resident[b] = slot
         self.stats.fetches += 1
         self.stats.prefetches += int(ahead)

@@ -14,8 +14,9 @@ from torch import nn
 from ..pool import PinnedPool, resolve_pool
 from ..torch_private import module_buffers, module_parameters
 from ..transfer import _resolve_device as resolve_device
-from .block_layout import check_layers, default_layers, plan_blocks, release_host_buffers
-from .layer_offload import API, LayerOffload
+from .block_layout import (API, allocate_host_buffers, check_layers, default_layers, move_weights_to_host,
+                           plan_blocks, release_host_buffers)
+from .layer_offload import LayerOffload
 from .layer_ring import LayerRing
 
 
@@ -143,11 +144,8 @@ def offload_layers(model: nn.Module, *, prefetch: int = 2, layers: Optional[Sequ
     # Allocate everything before changing anything: a failure leaves the model as it was.
     need = sum(b.host_bytes for b in blocks)
     try:
-        for blk in blocks:
-            for seg in blk.segments:
-                seg.host = pool.empty(seg.numel, dtype=seg.host_dtype)
+        allocate_host_buffers(blocks, pool)
     except torch.OutOfMemoryError as e:
-        release_host_buffers(blocks)
         st = pool.stats()
         raise torch.OutOfMemoryError(
             f"{API}: the pool is too small for the offloaded weights: they need {need} bytes on the host "
@@ -170,20 +168,5 @@ def offload_layers(model: nn.Module, *, prefetch: int = 2, layers: Optional[Sequ
         raise torch.OutOfMemoryError(f"{API}: no device memory on {dev} for the part of the model that is not "
                                      f"offloaded (embeddings, head, norms, buffers) next to the ring of "
                                      f"{ring.device_bytes} bytes; the model was left as it was") from None
-    with torch.no_grad():
-        # Every copy first, then the parameters are repointed.
-        views = []
-        for blk in blocks:
-            for e in blk.entries:
-                v = blk.segments[e.segment].host[e.offset:e.offset + e.numel].view(e.shape)
-                v.copy_(e.param.detach())  # converts to the host dtype
-                views.append((e, v))
-        for e, v in views:
-            p = e.param
-            grad = p.grad
-            p.grad = None
-            p.data = v
-            e.host_ptr = v.data_ptr()
-            if grad is not None:
-                p.grad = grad.to(device="cpu", dtype=e.host_dtype)
-    return LayerOffload(model, blocks, shared, ring, prefetch, pool, moved, dtype)
+    move_weights_to_host(blocks)
+    return LayerOffload(model, blocks, shared, ring, prefetch, pool, moved, dtype, offload=offload_layers)

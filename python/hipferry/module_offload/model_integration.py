@@ -30,22 +30,42 @@ Note [offloaded model integration]
 import copy
 import weakref
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence
 
 import torch
 from torch import nn
 
+from ..pool import PinnedPool
 from ..torch_private import MODULE_APPLY, module_apply, module_hook_dicts, module_parameters, override_module_apply
-
-if TYPE_CHECKING:
-    from .layer_offload import LayerOffload
+from .block_layout import API, Block, remember_origins
 
 ATTRS = (MODULE_APPLY, "__deepcopy__", "_hipferry_offload")  # instance attributes hipferry sets
 
 
+class OffloadHandle(Protocol):
+    """What this module uses of the handle (layer_offload.LayerOffload), so it
+    need not import it: the handle imports this module."""
+    model: nn.Module
+    blocks: List[Block]
+    device: torch.device
+    pool: PinnedPool
+    prefetch: int
+    dtype: Optional[torch.dtype]
+
+    def synchronize(self) -> None: ...
+
+
+class Offload(Protocol):
+    """``offload_layers`` (layers.py), handed down as the factory a deep copy is offloaded again with."""
+
+    def __call__(self, model: nn.Module, *, prefetch: int, layers: Optional[Sequence[nn.Module]],
+                 pool: Optional[PinnedPool], dtype: Optional[torch.dtype], device: Any) -> OffloadHandle: ...
+
+
 class ModelIntegration:
-    def __init__(self, handle: "LayerOffload"):
+    def __init__(self, handle: OffloadHandle, offload: Offload):
         self.handle_ref = weakref.ref(handle)
+        self.offload = offload
         self.model = handle.model
         self.blocks = [b.module for b in handle.blocks]
         self.block_ids = {id(m) for m in self.blocks}
@@ -97,7 +117,7 @@ class ModelIntegration:
                 got = (f"{probe.dtype} on {probe.device}" if isinstance(probe, torch.Tensor)
                        else type(probe).__name__)
                 raise RuntimeError(
-                    f"hipferry.offload_layers: this conversion would turn the offloaded weight {e.name!r} "
+                    f"{API}: this conversion would turn the offloaded weight {e.name!r} "
                     f"({e.device_dtype}, run on {handle.device} from host memory) into {got}; nothing was "
                     "changed. Offloaded weights can only be 'moved' to the ring's device (a no-op). Call "
                     "handle.undo() first, or offload with the device=/dtype= you want")
@@ -107,7 +127,6 @@ class ModelIntegration:
 
     # ------------------------------------------------------------ copy.deepcopy
     def _deepcopy(self, module: nn.Module, memo: Dict[int, Any]) -> nn.Module:
-        from .layers import offload_layers
         handle = self.handle_ref()
         handle.synchronize()
         hook_keys = []
@@ -139,16 +158,13 @@ class ModelIntegration:
                         twin.data = twin.data.to(device=e.orig_device if block_alone else "cpu", dtype=e.device_dtype)
         if block_alone:
             return new
-        twin_handle = offload_layers(new, prefetch=handle.prefetch, layers=[memo[id(b.module)] for b in copied],
+        twin_handle = self.offload(new, prefetch=handle.prefetch, layers=[memo[id(b.module)] for b in copied],
                                      pool=handle.pool, dtype=handle.dtype, device=handle.device)
-        origin = {id(memo[id(e.param)]): e.orig_device for b in copied for e in b.entries}
-        for blk in twin_handle.blocks:
-            for e in blk.entries:
-                e.orig_device = origin.get(id(e.param), e.orig_device)
+        remember_origins(twin_handle.blocks, {id(memo[id(e.param)]): e.orig_device for b in copied for e in b.entries})
         return new
 
 
-def _is_ours(fn: Any, handle: "LayerOffload", integration: ModelIntegration) -> bool:
+def _is_ours(fn: Any, handle: OffloadHandle, integration: ModelIntegration) -> bool:
     while hasattr(fn, "__wrapped__"):  # torch.compiler.disable's wrapper (functools.wraps)
         fn = fn.__wrapped__
     target = fn.func if isinstance(fn, partial) else fn

@@ -25,7 +25,7 @@ def _cache_path() -> str:
 
 
 def _key(device: torch.device) -> str:
-    from .. import __version__
+    from ..version import __version__  # (not the package front: it imports hipferry.optim)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return f"{name}|torch {torch.__version__}|hipferry {__version__}|{os.cpu_count()} cpus"
 
