@@ -317,181 +317,245 @@ Transfer::Waited Transfer::wait() {
   return waited;
 }
 
-std::shared_ptr<Transfer> start_transfer(TransferRequest r) {
-  Engine& engine = Engine::get();
-  engine.poll();
-  const bool prefetch = r.kind == TransferKind::kPrefetch;
-  const char* api = prefetch ? "hipferry.prefetch" : "hipferry.offload";
+namespace {
 
-  // --- arguments (nothing is allocated or queued until all are checked) ---
-  Device where = prefetch ? r.device : Device(DeviceType::CPU);
+// What check_request established about a request.
+struct Checked {
+  bool prefetch = true;
+  const char* api = "";           // the Python entry point, for messages
+  Device where{DeviceType::CPU};  // the device of the copy: the GPU (normalized to cuda:N), or the host
+  int device = -1;                // that GPU's index; -1: the host path
   std::vector<ScalarType> types;  // each source's dtype
-  types.reserve(r.sources.size());
-  for (std::size_t i = 0; i < r.sources.size(); ++i) {
-    const Tensor& t = r.sources[i];
-    HF_CHECK_VALUE(t.defined(), api, ": tensors[", i, "] is an undefined tensor; expected a tensor");
-    const Layout layout = t.layout();
-    HF_CHECK_VALUE(layout == Layout::Strided, api, ": tensors[", i, "] has layout ", layout_name(layout),
-                   "; expected strided (dense) tensors");
-    std::int32_t code = -1;
-    const std::optional<ScalarType> type = plain_dtype(t, code);
-    if (!type) {
-      const std::string quantized = quantized_name(code);
-      HF_CHECK_VALUE(quantized.empty(), api, ": tensors[", i, "] is quantized (", quantized,
-                     "); expected a plain dtype (move t.int_repr() and the quantization parameters instead)");
-      HF_CHECK_VALUE(false, api, ": tensors[", i, "] has a dtype (code ", code,
-                     ") that hipferry cannot name through torch's stable ABI; expected a plain dtype");
-    }
-    if (prefetch) {
-      HF_CHECK_VALUE(t.is_cpu(), api, ": tensors[", i, "] is on ", device_of(t),
-                     "; expected host (CPU) tensors to move to ", device_name(r.device));
-    } else {
-      HF_CHECK_VALUE(t.is_cpu() || t.is_cuda(), api, ": tensors[", i, "] is on ", device_of(t),
-                     "; expected tensors on a GPU (or the CPU)");
-      const Device on = t.device();
-      if (i == 0) where = on;
-      HF_CHECK_VALUE(on == where, api, ": tensors[", i, "] is on ", device_name(on), " but tensors[0] is on ",
-                     device_name(where), "; expected every tensor on one device");
-    }
-    if (r.dtype && *r.dtype != *type) {
-      HF_CHECK_VALUE(is_float_convertible(*type) && is_float_convertible(*r.dtype), api, ": dtype ",
-                     dtype_name(*r.dtype), " cannot be produced from tensors[", i, "] of dtype ", dtype_name(*type),
-                     "; expected conversions among float32, float16 and bfloat16 (or dtype=None)");
-    }
-    types.push_back(*type);
+  std::shared_ptr<pool::HostPool> pool;
+  bool gpu() const { return device >= 0; }
+};
+
+// The dtype of r.sources[i] once it is checked. Offload: `where` is the device
+// of tensors[0], which every later tensor must share.
+ScalarType check_source(const TransferRequest& r, const char* api, std::size_t i, Device& where) {
+  const bool prefetch = r.kind == TransferKind::kPrefetch;
+  const Tensor& t = r.sources[i];
+  HF_CHECK_VALUE(t.defined(), api, ": tensors[", i, "] is an undefined tensor; expected a tensor");
+  const Layout layout = t.layout();
+  HF_CHECK_VALUE(layout == Layout::Strided, api, ": tensors[", i, "] has layout ", layout_name(layout),
+                 "; expected strided (dense) tensors");
+  std::int32_t code = -1;
+  const std::optional<ScalarType> type = plain_dtype(t, code);
+  if (!type) {
+    const std::string quantized = quantized_name(code);
+    HF_CHECK_VALUE(quantized.empty(), api, ": tensors[", i, "] is quantized (", quantized,
+                   "); expected a plain dtype (move t.int_repr() and the quantization parameters instead)");
+    HF_CHECK_VALUE(false, api, ": tensors[", i, "] has a dtype (code ", code,
+                   ") that hipferry cannot name through torch's stable ABI; expected a plain dtype");
   }
+  if (prefetch) {
+    HF_CHECK_VALUE(t.is_cpu(), api, ": tensors[", i, "] is on ", device_of(t),
+                   "; expected host (CPU) tensors to move to ", device_name(r.device));
+  } else {
+    HF_CHECK_VALUE(t.is_cpu() || t.is_cuda(), api, ": tensors[", i, "] is on ", device_of(t),
+                   "; expected tensors on a GPU (or the CPU)");
+    const Device on = t.device();
+    if (i == 0) where = on;
+    HF_CHECK_VALUE(on == where, api, ": tensors[", i, "] is on ", device_name(on), " but tensors[0] is on ",
+                   device_name(where), "; expected every tensor on one device");
+  }
+  if (r.dtype && *r.dtype != *type) {
+    HF_CHECK_VALUE(is_float_convertible(*type) && is_float_convertible(*r.dtype), api, ": dtype ",
+                   dtype_name(*r.dtype), " cannot be produced from tensors[", i, "] of dtype ", dtype_name(*type),
+                   "; expected conversions among float32, float16 and bfloat16 (or dtype=None)");
+  }
+  return *type;
+}
+
+// The index of the GPU `where` names, once checked (the current one for a bare
+// 'cuda'); -1 for the host.
+int check_device(const char* api, const Device& where) {
   HF_CHECK_VALUE(where.is_cpu() || where.is_cuda(), api, ": device ", device_name(where),
                  " is not supported; expected 'cpu' or a GPU ('cuda', 'cuda:N')");
-  const bool gpu = where.is_cuda();
-  int device = -1;
-  if (gpu) {
-    const int count = rt::device_count();
-    HF_CHECK_VALUE(rt::build_info().platform != "cpu", api, ": device ", device_name(where),
-                   " needs a GPU build of hipferry, but this one is CPU-only; expected device='cpu'");
-    HF_CHECK_VALUE(count > 0, api, ": device ", device_name(where),
-                   " does not exist: hipferry sees no GPU here; expected device='cpu'");
-    device = where.has_index() ? where.index() : current_torch_device();
-    HF_CHECK_VALUE(device >= 0 && device < count, api, ": device cuda:", device, " does not exist; hipferry sees ",
-                   count, " GPU(s)");
-    where = cuda_device(device);
-  }
-  auto pool = pinned_pool(r.pool_id);
-  HF_CHECK(!pool->closed(), api, ": the pool is closed; expected an open PinnedPool");
+  if (!where.is_cuda()) return -1;
+  const int count = rt::device_count();
+  HF_CHECK_VALUE(rt::build_info().platform != "cpu", api, ": device ", device_name(where),
+                 " needs a GPU build of hipferry, but this one is CPU-only; expected device='cpu'");
+  HF_CHECK_VALUE(count > 0, api, ": device ", device_name(where),
+                 " does not exist: hipferry sees no GPU here; expected device='cpu'");
+  const int device = where.has_index() ? where.index() : current_torch_device();
+  HF_CHECK_VALUE(device >= 0 && device < count, api, ": device cuda:", device, " does not exist; hipferry sees ",
+                 count, " GPU(s)");
+  return device;
+}
 
-  auto handle = std::make_shared<Transfer>();
-  handle->generation_ = fork_generation();
-  handle->device_ = prefetch ? where : Device(DeviceType::CPU);
-  handle->results_count_ = r.sources.size();
+// Stage 1: every argument checked, in this order (the messages are pinned by
+// tests); nothing is allocated or queued before all are.
+Checked check_request(const TransferRequest& r) {
+  Checked c;
+  c.prefetch = r.kind == TransferKind::kPrefetch;
+  c.api = c.prefetch ? "hipferry.prefetch" : "hipferry.offload";
+  c.where = c.prefetch ? r.device : Device(DeviceType::CPU);
+  c.types.reserve(r.sources.size());
+  for (std::size_t i = 0; i < r.sources.size(); ++i) c.types.push_back(check_source(r, c.api, i, c.where));
+  c.device = check_device(c.api, c.where);
+  if (c.gpu()) c.where = cuda_device(c.device);
+  c.pool = pinned_pool(r.pool_id);
+  HF_CHECK(!c.pool->closed(), c.api, ": the pool is closed; expected an open PinnedPool");
+  return c;
+}
 
-  // --- results; sources made contiguous (on the current stream when on a GPU) ---
-  std::vector<Tensor> sources, results;
-  // Each source's mapped device address (pinned memory), where a path asks; else nullptr.
-  std::vector<void*> mapped;
-  bool copied_now = false;
-  sources.reserve(r.sources.size());
-  results.reserve(r.sources.size());
-  {
-    const NoGradScope no_grad;  // the engine's tensors record no graph
-    for (std::size_t i = 0; i < r.sources.size(); ++i) {
-      const Tensor& t = r.sources[i];
-      Tensor src = copy_source(t, types[i], r.may_have_negative_views);
-      const ScalarType out_type = r.dtype.value_or(types[i]);
-      // Host results come from the pool: cached blocks, so a copy does not pay
-      // for faulting in fresh pages (which costs more than the copy itself).
-      Tensor dst = gpu && prefetch ? torch::stable::empty(t.sizes(), out_type, std::nullopt, where)
-                                   : pool_empty(r.pool_id, shape_of(t), out_type,  // OutOfMemoryError: nothing queued
-                                                t.is_cpu() ? -1 : t.device().index());
-      handle->nbytes_ += nbytes_of(dst);
-      sources.push_back(std::move(src));
-      results.push_back(std::move(dst));
-    }
-    // Host sources: the GPU prefetch reads pinned ones directly; the host
-    // path waits for the current stream before reading pinned ones. The
-    // CPU-only build (no device) pins nothing.
-    mapped.assign(sources.size(), nullptr);
-    if ((gpu && prefetch) || (!gpu && rt::device_count() > 0)) {
-      for (std::size_t i = 0; i < sources.size(); ++i) mapped[i] = mapped_address(sources[i]);
-    }
-    // A small host copy runs before start_transfer returns (the path's own rule,
-    // on the same destination bytes): its sources need no holding.
-    copied_now = !gpu && engine::host_copy_runs_inline(handle->nbytes_);
-    if (!copied_now) {
-      for (std::size_t i = 0; i < sources.size(); ++i) {
-        sources[i] = held_source(r.sources[i], std::move(sources[i]), mapped[i] != nullptr);
-      }
-    }
+// The tensors of a transfer, as its copy reads and writes them.
+struct Prepared {
+  std::vector<Tensor> sources;  // contiguous, conjugate / negation resolved; then held (hold_sources)
+  std::vector<Tensor> results;
+  std::vector<void*> mapped;  // each source's mapped device address (pinned memory) where a path asks; else nullptr
+  std::size_t nbytes = 0;     // of the results
+  bool copied_now = false;    // a small host copy, done before start_transfer returns
+};
+
+// Stage 2: the sources made contiguous (on the current stream when on a GPU)
+// and the results allocated. Called with grad mode off (NoGradScope).
+Prepared make_results(const TransferRequest& r, const Checked& c) {
+  Prepared p;
+  p.sources.reserve(r.sources.size());
+  p.results.reserve(r.sources.size());
+  for (std::size_t i = 0; i < r.sources.size(); ++i) {
+    const Tensor& t = r.sources[i];
+    Tensor src = copy_source(t, c.types[i], r.may_have_negative_views);
+    const ScalarType out_type = r.dtype.value_or(c.types[i]);
+    // Host results come from the pool: cached blocks, so a copy does not pay
+    // for faulting in fresh pages (which costs more than the copy itself).
+    Tensor dst = c.gpu() && c.prefetch ? torch::stable::empty(t.sizes(), out_type, std::nullopt, c.where)
+                                       : pool_empty(r.pool_id, shape_of(t), out_type,  // OutOfMemoryError: nothing queued
+                                                    t.is_cpu() ? -1 : t.device().index());
+    p.nbytes += nbytes_of(dst);
+    p.sources.push_back(std::move(src));
+    p.results.push_back(std::move(dst));
   }
+  return p;
+}
+
+// Stage 3: the sources' mapped addresses, and each source the copy reads later
+// held (held_source). Called with grad mode off (NoGradScope).
+void hold_sources(const TransferRequest& r, const Checked& c, Prepared& p) {
+  // Host sources: the GPU prefetch reads pinned ones directly; the host
+  // path waits for the current stream before reading pinned ones. The
+  // CPU-only build (no device) pins nothing.
+  p.mapped.assign(p.sources.size(), nullptr);
+  if ((c.gpu() && c.prefetch) || (!c.gpu() && rt::device_count() > 0)) {
+    for (std::size_t i = 0; i < p.sources.size(); ++i) p.mapped[i] = mapped_address(p.sources[i]);
+  }
+  // A small host copy runs before start_transfer returns (the path's own rule,
+  // on the same destination bytes): its sources need no holding.
+  p.copied_now = !c.gpu() && engine::host_copy_runs_inline(p.nbytes);
+  if (p.copied_now) return;
+  for (std::size_t i = 0; i < p.sources.size(); ++i) {
+    p.sources[i] = held_source(r.sources[i], std::move(p.sources[i]), p.mapped[i] != nullptr);
+  }
+}
+
+// Stage 4: the raw copy items of the non-empty tensors.
+std::vector<engine::CopyItem> build_items(const Checked& c, const Prepared& p) {
   std::vector<engine::CopyItem> items;
-  for (std::size_t i = 0; i < sources.size(); ++i) {
-    if (sources[i].numel() == 0) continue;
-    engine::CopyItem it = item_of(sources[i], results[i]);
-    if (gpu && prefetch) it.src_mapped = mapped[i];
-    if (gpu && !prefetch) {
-      it.dst_mapped = mapped_address(results[i]);
-      HF_CHECK_VALUE(!it.convert || it.dst_mapped != nullptr, api, ": dtype conversion on the way to the host ",
+  for (std::size_t i = 0; i < p.sources.size(); ++i) {
+    if (p.sources[i].numel() == 0) continue;
+    engine::CopyItem it = item_of(p.sources[i], p.results[i]);
+    if (c.gpu() && c.prefetch) it.src_mapped = p.mapped[i];
+    if (c.gpu() && !c.prefetch) {
+      it.dst_mapped = mapped_address(p.results[i]);
+      HF_CHECK_VALUE(!it.convert || it.dst_mapped != nullptr, c.api, ": dtype conversion on the way to the host ",
                      "writes pinned memory from a kernel, but the pool's memory is not mapped; expected a "
                      "PinnedPool(mapped=True) (the default) or dtype=None");
     }
     items.push_back(it);
   }
+  return items;
+}
 
-  engine::PathContext ctx = context_of(engine, pool);
+// Stage 5 on the host path: queues the copy; returns its worker ticket.
+std::uint64_t dispatch_on_host(engine::PathContext& ctx, std::vector<engine::CopyItem> items,
+                               const std::vector<void*>& mapped, std::shared_ptr<schedule::Outcome> outcome) {
+  // Pinned sources may still be written by a device->host copy queued on the
+  // current stream: the host copy waits for it (pageable memory cannot be).
+  std::shared_ptr<rt::Event> produced;
+  bool any_pinned = false;
+  for (void* m : mapped) any_pinned = any_pinned || m != nullptr;
+  if (any_pinned) {
+    const int current = current_torch_device();
+    rt::DeviceGuard guard(current);
+    produced = std::make_shared<rt::Event>(current);
+    produced->record(current_torch_stream(current));
+  }
+  return engine::run_on_host(ctx, std::move(items), std::move(outcome), produced);
+}
+
+}  // namespace
+
+void Transfer::dispatch_on_gpu(engine::PathContext& ctx, std::vector<engine::CopyItem> items, int device,
+                               bool prefetch) {
+  rt::DeviceGuard guard(device);  // the producer may be the default stream (nullptr) of `device`
+  Engine& engine = Engine::get();
+  engine::GpuStreams streams;
+  streams.producer = current_torch_stream(device);
+  streams.copy = engine.stream(device, prefetch ? tracing::CopyStream::kToDevice : tracing::CopyStream::kToHost);
+  if (prefetch) streams.staging = engine.stream(device, tracing::CopyStream::kStaging);
+  auto done = std::make_shared<rt::Event>(device);
+  copy_device_ = device;
+  copy_stream_ = streams.copy;
+  staging_stream_ = streams.staging;
+  alloc_stream_ = streams.producer;
+  completion_.event = done;
+  try {
+    if (prefetch) {
+      std::vector<Tensor>& keep = keepalive_;
+      const Device on = cuda_device(device);
+      const auto scratch = [&keep, on](std::size_t bytes) -> void* {
+        // On the current (producer) stream, before the copy's start event: the
+        // copy is ordered after earlier uses of this memory.
+        keep.push_back(torch::stable::empty({static_cast<std::int64_t>(bytes)}, ScalarType::Byte, std::nullopt, on));
+        return keep.back().mutable_data_ptr();
+      };
+      completion_.ticket = engine::run_host_to_device(ctx, std::move(items), device, streams, done, scratch, outcome_);
+    } else {
+      engine::run_device_to_host(ctx, std::move(items), device, streams, std::move(done));
+    }
+  } catch (...) {
+    // Something may have been queued: let go of the tensors only once the
+    // streams are idle (they die with the caller's frame), then rethrow as it came.
+    sync_streams_quietly();
+    completion_.ticket = 0;
+    state_ = State::kFailed;
+    throw;
+  }
+}
+
+std::shared_ptr<Transfer> start_transfer(TransferRequest r) {
+  Engine& engine = Engine::get();
+  engine.poll();
+  const Checked c = check_request(r);
+
+  auto handle = std::make_shared<Transfer>();
+  handle->generation_ = fork_generation();
+  handle->device_ = c.prefetch ? c.where : Device(DeviceType::CPU);
+  handle->results_count_ = r.sources.size();
+  Prepared p;
+  {
+    const NoGradScope no_grad;  // the engine's tensors record no graph
+    p = make_results(r, c);
+    handle->nbytes_ = p.nbytes;
+    hold_sources(r, c, p);
+  }
+  std::vector<engine::CopyItem> items = build_items(c, p);
+
+  engine::PathContext ctx = context_of(engine, c.pool);
   engine.counters().transfers += 1;
   engine.counters().bytes += handle->nbytes_;
   handle->outcome_ = std::make_shared<schedule::Outcome>();
-  if (!gpu) {
-    // Pinned sources may still be written by a device->host copy queued on the
-    // current stream: the host copy waits for it (pageable memory cannot be).
-    std::shared_ptr<rt::Event> produced;
-    bool any_pinned = false;
-    for (void* m : mapped) any_pinned = any_pinned || m != nullptr;
-    if (any_pinned) {
-      const int current = current_torch_device();
-      rt::DeviceGuard guard(current);
-      produced = std::make_shared<rt::Event>(current);
-      produced->record(current_torch_stream(current));
-    }
-    handle->completion_.ticket = engine::run_on_host(ctx, std::move(items), handle->outcome_, produced);
+  if (c.gpu()) {
+    handle->dispatch_on_gpu(ctx, std::move(items), c.device, c.prefetch);
   } else {
-    rt::DeviceGuard guard(device);  // the producer may be the default stream (nullptr) of `device`
-    engine::GpuStreams streams;
-    streams.producer = current_torch_stream(device);
-    streams.copy = engine.stream(device, prefetch ? tracing::CopyStream::kToDevice : tracing::CopyStream::kToHost);
-    if (prefetch) streams.staging = engine.stream(device, tracing::CopyStream::kStaging);
-    auto done = std::make_shared<rt::Event>(device);
-    handle->copy_device_ = device;
-    handle->copy_stream_ = streams.copy;
-    handle->staging_stream_ = streams.staging;
-    handle->alloc_stream_ = streams.producer;
-    handle->completion_.event = done;
-    try {
-      if (prefetch) {
-        std::vector<Tensor>& keep = handle->keepalive_;
-        const Device on = cuda_device(device);
-        const auto scratch = [&keep, on](std::size_t bytes) -> void* {
-          // On the current (producer) stream, before the copy's start event: the
-          // copy is ordered after earlier uses of this memory.
-          keep.push_back(torch::stable::empty({static_cast<std::int64_t>(bytes)}, ScalarType::Byte, std::nullopt, on));
-          return keep.back().mutable_data_ptr();
-        };
-        handle->completion_.ticket = engine::run_host_to_device(ctx, std::move(items), device, streams, done,
-                                                                scratch, handle->outcome_);
-      } else {
-        engine::run_device_to_host(ctx, std::move(items), device, streams, std::move(done));
-      }
-    } catch (...) {
-      // Something may have been queued: let go of the tensors only once the
-      // streams are idle (they die with this frame), then rethrow as it came.
-      handle->sync_streams_quietly();
-      handle->completion_.ticket = 0;
-      handle->state_ = Transfer::State::kFailed;
-      throw;
-    }
+    handle->completion_.ticket = dispatch_on_host(ctx, std::move(items), p.mapped, handle->outcome_);
   }
-  if (!copied_now) {
-    for (auto& t : sources) handle->keepalive_.push_back(std::move(t));
+  if (!p.copied_now) {
+    for (auto& t : p.sources) handle->keepalive_.push_back(std::move(t));
   }
-  handle->results_ = std::move(results);
+  handle->results_ = std::move(p.results);
   return handle;
 }
 
