@@ -126,6 +126,10 @@ class Transfer {
   void settle_locked(std::vector<Tensor>& dropped);
   void sync_streams_quietly() const;  // after a failure, before letting go of anything
   void check_same_process(const char* what) const;  // throws in a forked child
+  // start_transfer's last stage on a GPU: queues `items` on the copy stream of
+  // `device` (prefetch: host->device, else device->host) and records the
+  // completion event; after a failure, the streams idle and the handle failed.
+  void dispatch_on_gpu(engine::PathContext& ctx, std::vector<engine::CopyItem> items, int device, bool prefetch);
 
   // Set by start_transfer, then read-only:
   std::uint64_t generation_ = 0;  // fork_generation() when started

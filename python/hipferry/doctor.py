@@ -7,7 +7,7 @@ import os
 import platform as py_platform
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple, Type
 
 import torch
 
@@ -240,12 +240,50 @@ def module_offload_self_test(device: str) -> str:
             f"{s['hits']} prefetch hits, {s['stalls']} stalls)")
 
 
-def run(quick: bool = False) -> int:
-    build = hf_platform.build_info()
-    flavor = hf_platform.torch_flavor()
-    runtime_devices = hf_platform.device_count()
-    torch_devices = torch.cuda.device_count() if flavor != "cpu" else 0
-    w = sys.stdout.write
+class Check(NamedTuple):
+    """One self-check of `run`: a report line under `label`, computed by
+    `line`; an error of the types in `raises` means the build does not work
+    here (reported as "<problem> failed: <error>"), any other is a bug in
+    the doctor and propagates."""
+    label: str
+    line: Callable[[], str]
+    problem: str
+    raises: Tuple[Type[BaseException], ...] = (RuntimeError,)
+
+
+def _copy_cast_self_test(gpu: bool) -> str:
+    self_test("cpu")
+    if gpu:
+        self_test("cuda")
+    return "copy_cast_ matches torch .to() bit for bit"
+
+
+def self_checks(runtime_devices: int, torch_devices: int) -> List[Check]:
+    """The self-checks, in the order the report shows them."""
+    device = "cuda" if runtime_devices > 0 and torch_devices > 0 else "cpu"
+    return [
+        Check("self-test", lambda: _copy_cast_self_test(runtime_devices > 0), "self-test"),
+        Check("transfers", lambda: transfer_self_test(device), "transfer self-test"),
+        Check("optimizer", lambda: optimizer_self_test(device), "optimizer self-test"),
+        Check("module offload", lambda: module_offload_self_test(device), "module offload self-test"),
+        Check("disk state", disk_self_test, "disk state self-test", (RuntimeError, OSError, ValueError)),
+        Check("pinned pool", lambda: describe_pool(device == "cuda"), "pinned pool"),
+    ]
+
+
+def run_checks(checks: List[Check], write: Callable[[str], object]) -> List[str]:
+    """Writes each check's line; returns the problems of those that failed."""
+    problems = []
+    for check in checks:
+        try:
+            write(f"  {check.label:<16}{check.line()}\n")
+        except check.raises as e:
+            problems.append(f"{check.problem} failed: {e}")
+    return problems
+
+
+def _write_header(w: Callable[[str], object], build: dict, flavor: str, torch_devices: int) -> None:
+    """The versions and the machine: what a bug report needs."""
     w("hipferry doctor\n")
     w(f"  hipferry        {sys.modules['hipferry'].__version__}, built for {build['target']}"
       f" ({build['architectures'] or 'no GPU architectures'}) against torch {build['torch_version_built_against']}\n")
@@ -263,57 +301,47 @@ def run(quick: bool = False) -> int:
     w(f"  numa            {len(nodes)} node(s): {', '.join(map(str, nodes))}"
       f"{'' if len(nodes) > 1 else ' (no placement to choose)'}; {_default_pool_placement(_native)}\n")
 
+
+def _check_devices(w: Callable[[str], object], runtime_devices: int) -> List[str]:
+    """Writes each device and whether host memory maps into GPU 0; returns the problems."""
+    problems = []
+    for i in range(runtime_devices):
+        info = hf_platform.device_info(i)
+        w(f"  device {i}        {info['name']} ({info['arch']}), {info['total_memory'] / 2**30:.1f} GiB, "
+          f"{info['multiprocessors']} multiprocessors, maps host memory: {info['can_map_host_memory']}, "
+          f"PCI {info['pci_bus_id']}, NUMA node "
+          f"{info['numa_node'] if info['numa_node'] >= 0 else 'unknown'}\n")
+    if runtime_devices > 0:
+        from . import _C
+        for label, flags, reg in (("pinned (hipHostMalloc, mapped)", 0x2 | 0x1, False),
+                                  ("registered (hipHostRegister, mapped)", 0x2 | 0x1, True)):
+            try:
+                r = _C.check_host_memory(0, 4 * MiB, flags, reg)
+                ok = r["round_trip_ok"]
+                w(f"  host memory     {label}: {'works' if ok else 'DATA MISMATCH'}"
+                  f"{'' if r['device_address_equals_host_address'] else ' (device address differs from host address)'}\n")
+                if not ok:
+                    problems.append(f"{label} host memory round trip gave wrong data")
+            except RuntimeError as e:
+                problems.append(f"{label} host memory failed: {e}")
+    return problems
+
+
+def run(quick: bool = False) -> int:
+    build = hf_platform.build_info()
+    flavor = hf_platform.torch_flavor()
+    runtime_devices = hf_platform.device_count()
+    torch_devices = torch.cuda.device_count() if flavor != "cpu" else 0
+    w = sys.stdout.write
+    _write_header(w, build, flavor, torch_devices)
+
     problems = diagnose(build["target"], flavor, runtime_devices, torch_devices)
     for n in notes(build["target"], flavor, runtime_devices):
         w(f"  note            {n}\n")
 
     if not problems:
-        for i in range(runtime_devices):
-            info = hf_platform.device_info(i)
-            w(f"  device {i}        {info['name']} ({info['arch']}), {info['total_memory'] / 2**30:.1f} GiB, "
-              f"{info['multiprocessors']} multiprocessors, maps host memory: {info['can_map_host_memory']}, "
-              f"PCI {info['pci_bus_id']}, NUMA node "
-              f"{info['numa_node'] if info['numa_node'] >= 0 else 'unknown'}\n")
-        if runtime_devices > 0:
-            from . import _C
-            for label, flags, reg in (("pinned (hipHostMalloc, mapped)", 0x2 | 0x1, False),
-                                      ("registered (hipHostRegister, mapped)", 0x2 | 0x1, True)):
-                try:
-                    r = _C.check_host_memory(0, 4 * MiB, flags, reg)
-                    ok = r["round_trip_ok"]
-                    w(f"  host memory     {label}: {'works' if ok else 'DATA MISMATCH'}"
-                      f"{'' if r['device_address_equals_host_address'] else ' (device address differs from host address)'}\n")
-                    if not ok:
-                        problems.append(f"{label} host memory round trip gave wrong data")
-                except RuntimeError as e:
-                    problems.append(f"{label} host memory failed: {e}")
-        try:
-            self_test("cpu")
-            if runtime_devices > 0:
-                self_test("cuda")
-            w("  self-test       copy_cast_ matches torch .to() bit for bit\n")
-        except RuntimeError as e:
-            problems.append(f"self-test failed: {e}")
-        try:
-            w(f"  transfers       {transfer_self_test('cuda' if runtime_devices > 0 and torch_devices > 0 else 'cpu')}\n")
-        except RuntimeError as e:
-            problems.append(f"transfer self-test failed: {e}")
-        try:
-            w(f"  optimizer       {optimizer_self_test('cuda' if runtime_devices > 0 and torch_devices > 0 else 'cpu')}\n")
-        except RuntimeError as e:
-            problems.append(f"optimizer self-test failed: {e}")
-        try:
-            w(f"  module offload  {module_offload_self_test('cuda' if runtime_devices > 0 and torch_devices > 0 else 'cpu')}\n")
-        except RuntimeError as e:
-            problems.append(f"module offload self-test failed: {e}")
-        try:
-            w(f"  disk state      {disk_self_test()}\n")
-        except (RuntimeError, OSError, ValueError) as e:
-            problems.append(f"disk state self-test failed: {e}")
-        try:
-            w(f"  pinned pool     {describe_pool(runtime_devices > 0 and torch_devices > 0)}\n")
-        except RuntimeError as e:
-            problems.append(f"pinned pool failed: {e}")
+        problems += _check_devices(w, runtime_devices)
+        problems += run_checks(self_checks(runtime_devices, torch_devices), w)
         w("  bandwidth       measuring...\n")
         cpu = measure_cpu_bandwidth(64 * MiB if quick else 256 * MiB, 3 if quick else 5)
         w(f"  host memory     copy {cpu['host_copy_GBps']:.1f} GB/s, copy_cast f32->bf16 "

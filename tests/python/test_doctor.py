@@ -85,3 +85,24 @@ def test_module_offload_self_test_catches_a_lost_gradient(monkeypatch):
     monkeypatch.setattr(grad_sink.GradSink, "add", drop_the_first)
     with pytest.raises(RuntimeError, match="gradient of .* differs"):
         doctor.module_offload_self_test("cpu")
+
+
+def test_run_checks_writes_lines_and_collects_the_listed_errors():
+    def broken():
+        raise OSError("disk full")
+
+    def buggy():
+        raise KeyError("a bug in the doctor")
+    lines = []
+    checks = [doctor.Check("transfers", lambda: "fine", "transfer self-test"),
+              doctor.Check("disk state", broken, "disk state self-test", (RuntimeError, OSError)),
+              doctor.Check("pinned pool", lambda: "also fine", "pinned pool")]
+    assert doctor.run_checks(checks, lines.append) == ["disk state self-test failed: disk full"]
+    assert lines == ["  transfers       fine\n", "  pinned pool     also fine\n"]
+    with pytest.raises(KeyError):  # not an error the check lists: propagates
+        doctor.run_checks([doctor.Check("optimizer", buggy, "optimizer self-test")], lines.append)
+
+
+def test_self_checks_keep_the_report_order():
+    assert [c.label for c in doctor.self_checks(0, 0)] == [
+        "self-test", "transfers", "optimizer", "module offload", "disk state", "pinned pool"]

@@ -4,28 +4,15 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstdio>
 #include <cstdlib>
 #include <thread>
 
+#include "csrc/core/host_pool/format_bytes.h"
 #include "csrc/core/host_pool/numa_binding.h"
 #include "csrc/core/host_pool/size_classes.h"
 
 namespace hipferry::pool {
 namespace {
-
-std::string format_bytes(std::size_t bytes) {
-  char buf[64];
-  const double b = static_cast<double>(bytes);
-  if (bytes >= (std::size_t{1} << 30)) {
-    std::snprintf(buf, sizeof buf, "%zu bytes (%.2f GiB)", bytes, b / (1 << 30));
-  } else if (bytes >= (std::size_t{1} << 20)) {
-    std::snprintf(buf, sizeof buf, "%zu bytes (%.2f MiB)", bytes, b / (1 << 20));
-  } else {
-    std::snprintf(buf, sizeof buf, "%zu bytes", bytes);
-  }
-  return buf;
-}
 
 PoolError closed_error() { return PoolError("hipferry pinned pool: allocate on a closed pool; expected an open pool"); }
 
@@ -301,23 +288,13 @@ HostPool::Block* HostPool::make_room(std::unique_lock<std::mutex>& lock, const R
       growth_checked = true;
       SegmentList cached;
       collect_for_growth(r.bytes, segment_bytes, cached);
-      if (!cached.empty()) {
-        lock.unlock();
-        release_segments(cached);
-        lock.lock();
-        continue;
-      }
+      if (release_unlocked(lock, cached)) continue;
     }
     if (segment_bytes <= options_.capacity - stats_.reserved_bytes - pending_bytes_) break;
     // Over the cap: first give back cached free segments...
     SegmentList cached;
     collect_free_segments(0, false, cached);
-    if (!cached.empty()) {
-      lock.unlock();
-      release_segments(cached);
-      lock.lock();
-      continue;
-    }
+    if (release_unlocked(lock, cached)) continue;
     // ...then take no more than the block needs (a segment starts on a page:
     // the block fits at its start whatever its alignment)...
     if (segment_bytes > r.size) {
@@ -353,6 +330,14 @@ HostPool::Block* HostPool::make_room(std::unique_lock<std::mutex>& lock, const R
   ++stats_.cache_misses;
   pending_bytes_ += segment_bytes;
   return nullptr;
+}
+
+bool HostPool::release_unlocked(std::unique_lock<std::mutex>& lock, const SegmentList& segments) {
+  if (segments.empty()) return false;
+  lock.unlock();
+  release_segments(segments);
+  lock.lock();
+  return true;
 }
 
 void HostPool::require_page_aligned(const HostSegment& memory, std::size_t bytes) {
@@ -648,86 +633,6 @@ bool HostPool::closed() const {
 bool HostPool::owns(const void* host) const {
   std::lock_guard<std::mutex> lock(mutex_);
   return live_.count(const_cast<void*>(host)) != 0;
-}
-
-PoolStats HostPool::stats() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  PoolStats s = stats_;
-  s.cached_free_bytes = free_bytes_;
-  s.segments = segments_.size();
-  return s;
-}
-
-void HostPool::throw_capacity(std::size_t bytes, std::size_t segment_bytes) const {
-  throw PoolCapacityError(
-      "hipferry pinned pool: cannot allocate " + format_bytes(bytes) + ": capacity is " +
-      format_bytes(options_.capacity) + ", " + format_bytes(stats_.requested_bytes) + " in use (" +
-      format_bytes(stats_.allocated_bytes) + " in blocks), " + format_bytes(free_bytes_) +
-      " cached but too fragmented to serve it, " + format_bytes(pending_bytes_) +
-      " being allocated by other threads; a new segment of " + format_bytes(segment_bytes) +
-      " would exceed the capacity. " +
-      (options_.capacity_origin.empty() ? std::string("Free tensors from this pool or create it with a larger capacity")
-                                        : "The capacity is " + options_.capacity_origin));
-}
-
-void HostPool::check_invariants() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  const auto fail = [](const std::string& what) { throw std::logic_error("hipferry pinned pool invariant: " + what); };
-  std::size_t reserved = 0, allocated = 0, free_bytes = 0, fully_free = 0, live = 0, waiting = 0;
-  std::size_t free_small = 0, free_large = 0, free_reserve = 0, requested = 0;
-  for (const auto& s : segments_) {
-    reserved += s->size;
-    const char* expect = static_cast<const char*>(s->memory.host);
-    if (reinterpret_cast<std::uintptr_t>(expect) % kPageAlignment != 0) fail("segment not on a page");
-    const Block* prev = nullptr;
-    for (const Block* b = s->first; b != nullptr; prev = b, b = b->next) {
-      if (b->segment != s.get()) fail("block points at another segment");
-      if (b->node != s->node) fail("block's node is not its segment's");
-      if (b->prev != prev) fail("broken prev link");
-      if (b->host != expect) fail("blocks do not tile their segment (gap or overlap)");
-      if (b->size == 0 || b->size % kAlignment != 0) fail("block size not a positive multiple of 256");
-      expect += b->size;
-      if (b->state == BlockState::kFree) {
-        free_bytes += b->size;
-        if (prev != nullptr && prev->state == BlockState::kFree) fail("two free neighbours not coalesced");
-        const auto& set = s->kind == SegmentKind::kSmall     ? free_small_
-                          : s->kind == SegmentKind::kReserve ? free_reserve_
-                                                             : free_large_;
-        if (set.count(const_cast<Block*>(b)) == 0) fail("free block missing from its free set");
-        (s->kind == SegmentKind::kSmall ? free_small : s->kind == SegmentKind::kReserve ? free_reserve : free_large) += 1;
-        if (b->size == s->size && s->kind != SegmentKind::kReserve) fully_free += s->size;
-      } else {
-        allocated += b->size;
-        if (b->state == BlockState::kLive) {
-          ++live;
-          requested += b->requested;
-          auto it = live_.find(b->host);
-          if (it == live_.end() || it->second != b) fail("live block missing from the live map");
-        } else {
-          ++waiting;
-        }
-      }
-    }
-    if (expect != static_cast<const char*>(s->memory.host) + s->size) fail("blocks do not cover their segment");
-  }
-  if (free_small != free_small_.size() || free_large != free_large_.size() || free_reserve != free_reserve_.size())
-    fail("free sets hold non-free blocks");
-  if (reserved != stats_.reserved_bytes) fail("reserved_bytes != sum of segment sizes");
-  std::map<int, std::size_t> by_node;
-  for (const auto& s : segments_) by_node[s->node] += s->size;
-  if (by_node != stats_.reserved_by_node) fail("reserved_by_node != segment sizes by node");
-  if (allocated != stats_.allocated_bytes) fail("allocated_bytes != live + waiting blocks");
-  if (free_bytes != free_bytes_) fail("free byte count drifted");
-  if (reserved != allocated + free_bytes) fail("reserved != allocated + free");
-  if (fully_free != fully_free_bytes_) fail("fully free segment bytes drifted");
-  if (live != live_.size() || live != stats_.live_blocks) fail("live block count drifted");
-  if (requested != stats_.requested_bytes) fail("requested_bytes drifted");
-  if (waiting != stats_.waiting_blocks || waiting < waiting_.size() + waiting_in_flight_)
-    fail("waiting block count drifted");
-  for (const Waiting& w : waiting_) {
-    if (w.block->state != BlockState::kWaiting) fail("a parked block is not waiting");
-  }
-  if (stats_.reserved_bytes + pending_bytes_ > options_.capacity) fail("capacity exceeded");
 }
 
 }  // namespace hipferry::pool

@@ -299,7 +299,10 @@ class HostPool {
   // (for a request of `bytes`) must give back to stay within growth_limit.
   void collect_for_growth(std::size_t bytes, std::size_t segment_bytes, SegmentList& out);
   Segment* add_segment(const HostSegment& memory, std::size_t size, SegmentKind kind, int node);
-  [[noreturn]] void throw_capacity(std::size_t bytes, std::size_t segment_bytes) const;
+  [[noreturn]] void throw_capacity(std::size_t bytes, std::size_t segment_bytes) const;  // host_pool_checks.cpp
+  // Gives `segments` back to the provider with `lock` dropped meanwhile;
+  // false (the lock kept) when there are none.
+  bool release_unlocked(std::unique_lock<std::mutex>& lock, const SegmentList& segments);
   void count_segment(const Segment& s, bool added);  // reserved bytes and reserved_by_node
 
   // No lock held.
