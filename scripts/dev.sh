@@ -23,6 +23,9 @@
 #                              (Note [older-torch subset] in tests/python/conftest.py)
 #                            Each step prints its time when it ends. Compilers run through ccache
 #                            (HIPFERRY_CCACHE=0: not), so the builds share objects.
+#   scripts/dev.sh check     the inner loop: deps, build, lint, the C++ tests but the exhaustive ones,
+#                            the Python tests not marked slow (a few minutes with a warm ccache)
+#   scripts/dev.sh lint      ruff over the Python (rules in pyproject.toml; `test` runs it first)
 #   scripts/dev.sh deps | build | older-torch | cpu-variants | check-gpu-builds | check-cpu-build | sanitize | tsan
 #                            the single steps (older-torch needs the wheel build made in dist/)
 #   scripts/dev.sh gpu-wheels  wheels of the test dependencies beyond torch (transformers, peft,
@@ -221,6 +224,21 @@ tsan() {
   TSAN_OPTIONS=halt_on_error=1 build/check-tsan/tests/cpp/hipferry_core_tests --gtest_filter='HostPool*:SerialWorker*:TraceRecorder*:SlotRing*:InFlightWindow*:Schedule*:WorkerStream*:AdamWPipeline*:ReleaseList*:Backends/RealBackend*:MakeBackend*'
 }
 
+lint() {
+  step "lint: ruff over python/, tests/, examples/, scripts/ (the rules: pyproject.toml [tool.ruff])"
+  $PY -m ruff check python tests examples scripts
+}
+
+# The inner loop (at most a few minutes with a warm ccache): build, the C++ tests but the
+# exhaustive ones, the Python tests not marked slow. `test` stays the whole matrix.
+check() {
+  deps; use_ccache; build; lint
+  step "C++ tests of the installed build, but the exhaustive ones"
+  ctest --test-dir "$BUILD_DIR" --output-on-failure -LE exhaustive -j "$JOBS"
+  step "Python tests not marked slow"
+  $PY -m pytest -q -ra -m "not slow" tests/python
+}
+
 run_tests() {
   step "C++ tests of the installed build ($BUILD_DIR)"
   ctest --test-dir "$BUILD_DIR" --output-on-failure -j "$JOBS"
@@ -238,6 +256,8 @@ case "${1:-}" in
   check-cpu-build) check_cpu_build ;;
   sanitize) sanitize ;;
   tsan) tsan ;;
+  lint) lint ;;
+  check) check; step_end ;;
   gpu-wheels)
     mkdir -p .whl
     # shellcheck disable=SC2046  # one word per distribution
@@ -246,7 +266,7 @@ case "${1:-}" in
     ;;
   test)
     start=$(date +%s)
-    deps; use_ccache; build_wheel; older_torch; install_wheel; run_tests; cpu_variants; check_gpu_builds; check_cpu_build; sanitize; tsan
+    deps; lint; use_ccache; build_wheel; older_torch; install_wheel; run_tests; cpu_variants; check_gpu_builds; check_cpu_build; sanitize; tsan
     step_end
     printf '\n=== all tests passed in %d s ===\n' "$(( $(date +%s) - start ))"
     printf '%s\n' "${STEP_TIMES[@]}"

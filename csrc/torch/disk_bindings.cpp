@@ -83,14 +83,10 @@ class DiskIo {
   }
 
   py::dict counters() const {
+    using namespace pybind11::literals;
     const disk::IoCounters& c = queue_->counters();
-    py::dict d;
-    d["bytes_read"] = c.bytes_read;
-    d["bytes_written"] = c.bytes_written;
-    d["requests"] = c.requests;
-    d["short_transfers"] = c.short_transfers;
-    d["max_in_flight"] = c.max_in_flight;
-    return d;
+    return py::dict("bytes_read"_a = c.bytes_read, "bytes_written"_a = c.bytes_written, "requests"_a = c.requests,
+                    "short_transfers"_a = c.short_transfers, "max_in_flight"_a = c.max_in_flight);
   }
 
   void run_pass(const std::string& kind, const std::string& format, bool amsgrad, std::int64_t chunk_numel,

@@ -78,7 +78,7 @@ def test_best_of_interleaved_keeps_each_minimum():
 def test_format_table_aligns_columns():
     out = bench.format_table(["x", "value"], [{"x": 1, "value": 2.5}, {"x": 100, "value": 12345.6}])
     lines = out.splitlines()
-    assert len({len(l) for l in lines}) == 1 and "12346" in lines[-1]
+    assert len({len(line) for line in lines}) == 1 and "12346" in lines[-1]
 
 
 def test_pool_suite_measures_every_contender(tmp_path):

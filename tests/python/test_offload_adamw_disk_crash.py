@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+
 from disk_helpers import crash_child, digest, disk_opt, make_params, ram_opt, resume_options, train
 
 KILLS = 50
@@ -43,6 +44,7 @@ def resumed_digest(folder: str) -> tuple:
     return out
 
 
+@pytest.mark.slow
 def test_kills_at_random_moments_leave_a_folder_that_resumes_exactly(tmp_path):
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "hipferry", "disk_helpers", "pytest"])  # (children re-import __main__)

@@ -9,7 +9,6 @@ import sys
 import textwrap
 
 import pytest
-import torch
 
 from hipferry import _C
 

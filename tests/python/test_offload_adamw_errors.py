@@ -14,7 +14,7 @@ import torch
 
 import hipferry
 from hipferry.optim import OffloadAdamW
-from conftest import gpu_available, requires_gpu
+from conftest import requires_gpu
 
 MiB = 2**20
 DEVICES = ["cpu", pytest.param("cuda", marks=requires_gpu)]
@@ -241,7 +241,7 @@ def test_pool_too_small_for_a_new_param_group():
         step_both(opt, ref, clones, params, grads_for(params, 1))
         fits, too_big = torch.nn.Parameter(torch.randn(100)), torch.nn.Parameter(torch.randn(MiB // 4))
         group = {"params": [fits, too_big]}
-        message = check_rejected(lambda: opt.add_param_group(group), torch.OutOfMemoryError, [r"(?i)capacity"],
+        message = check_rejected(lambda: opt.add_param_group(group), torch.OutOfMemoryError, [r"(?i)capacity"],  # noqa: F821 (a name deleted further down; the lambda runs before that)
                                  params + [fits, too_big], small, opt)
         assert str(MiB) in message
         assert len(opt.param_groups) == 1 and fits not in opt.state and too_big not in opt.state

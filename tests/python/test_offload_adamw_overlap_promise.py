@@ -202,7 +202,7 @@ def test_views_of_the_state_the_user_holds_stay_the_state(remote):
 
     def check_untouched(model, opt, step):  # after backward: the speculations ran, nothing may have changed
         if opt is t.opt and seen:
-            assert same_bits(view, seen["view"]) and (array == seen["array"]).all(), f"step {step}"
+            assert same_bits(view, seen["view"]) and (array == seen["array"]).all(), f"step {step}"  # noqa: F821 (a name deleted further down; the lambda runs before that)
     for step in range(5):
         t.step(backward_then(check_untouched, clip=1e6))
         assert same_bits(view, st["exp_avg"][:5]) and same_bits(alias, st["exp_avg"])

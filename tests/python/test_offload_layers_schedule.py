@@ -177,7 +177,7 @@ def test_write_through_data_between_calls_is_seen(device):
 def test_in_place_weight_update_is_seen(device):
     # A write through the parameter itself bumps its version: no invalidate() needed.
     model, ref = model_and_reference(make_mlp, device, hidden=(32,) * 6)
-    handle = hipferry.offload_layers(model, device=device)
+    _handle = hipferry.offload_layers(model, device=device)  # (kept alive for the test)
     x = model.example(0, device)
     with torch.no_grad():
         model(x)

@@ -247,7 +247,7 @@ def test_close_keeps_live_tensors_valid():
     assert p.closed and float(t.sum()) == 2500.0
     with pytest.raises(RuntimeError, match="closed"):
         p.empty(3)
-    for call in (p.stats, p.trim, lambda: p.record_use(t)):
+    for call in (p.stats, p.trim, lambda: p.record_use(t)):  # noqa: F821 (a name deleted further down; the lambda runs before that)
         with pytest.raises(RuntimeError, match="closed"):
             call()
     del t  # released to the system now, without error

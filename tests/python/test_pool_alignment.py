@@ -8,17 +8,9 @@ import pytest
 import torch
 
 import hipferry
+from test_pool import pool  # noqa: F401  (the 256 MiB pool fixture, checked and closed after each test)
 
 PAGE = 4096
-
-
-@pytest.fixture
-def pool():
-    p = hipferry.PinnedPool(capacity="256MiB")
-    yield p
-    if not p.closed:
-        p.check_invariants()
-        p.close()
 
 
 def sizes():

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
 import torch
 
 import hipferry

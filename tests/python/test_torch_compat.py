@@ -40,7 +40,7 @@ def test_the_torch_it_was_built_for_passes():
 @pytest.mark.parametrize("version", ["2.14.1+cu130", "2.13.0", "2.16.0", "3.0.0"])
 def test_a_torch_outside_the_range_is_refused_naming_both(version):
     message = one_sentence(torch_compat.mismatch(record(), version, None, "13.0"))
-    assert f"supports torch 2.15 (libtorch C++ ABI of torch 2.15.0)" in message
+    assert "supports torch 2.15 (libtorch C++ ABI of torch 2.15.0)" in message
     assert f"has torch {version}" in message and "rebuild hipferry" in message
 
 

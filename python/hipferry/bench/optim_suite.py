@@ -269,7 +269,7 @@ def _cpu_part(ctx: Context, rows: List[dict], notes: List[str], plots: List[dict
                          "GBps": BOUND_BYTES * n / secs / 1e9, "bytes_per_param": BOUND_BYTES,
                          "hipferry_speedup": secs / hf if hf else "", "fraction_of_bound": bound / secs})
     eight_bit_rows(_cpu_sizes(ctx)[:2], repeats, rows, notes, plots, step, OffloadAdamW,
-                   lambda fn: _cold_timer(fn, flush), best_of_interleaved)
+                   lambda fn: _cold_timer(fn, flush), best_of_interleaved)  # noqa: F821 (a name deleted further down; the lambda runs before that)
     notes.append(f"cold cache: before every timed CPU run (optimizers and triad) a {flush.nbytes // MiB} MiB buffer "
                  f"(2x the {flush.llc // MiB} MiB last-level cache) is rewritten, so each starts from DRAM")
     del triad, flush

@@ -94,18 +94,18 @@ def _workload(hidden, layers):
     free and re-allocate layer by layer (as a streamed step would)."""
     inter, vocab = hidden * 11 // 4, 32000
     shapes = {"embed": vocab * hidden}
-    for l in range(layers):
+    for layer in range(layers):
         for name, n in (("q", hidden * hidden), ("k", hidden * hidden // 4), ("v", hidden * hidden // 4),
                         ("o", hidden * hidden), ("gate", hidden * inter), ("up", hidden * inter),
                         ("down", inter * hidden), ("norm1", hidden), ("norm2", hidden), ("bias", 3 * hidden + 7)):
-            shapes[f"{l}.{name}"] = n
+            shapes[f"{layer}.{name}"] = n
     ops = []
     for key, n in shapes.items():
         ops.append(("alloc", key + ":bf16", 2 * n))
         for state in ("master", "exp_avg", "exp_avg_sq"):
             ops.append(("alloc", f"{key}:{state}", 4 * n))
-    for l in range(0, layers, 2):  # half the layers' low-precision copies are re-staged as grads
-        for key in [k for k in shapes if k.startswith(f"{l}.")]:
+    for layer in range(0, layers, 2):  # half the layers' low-precision copies are re-staged as grads
+        for key in [k for k in shapes if k.startswith(f"{layer}.")]:
             ops.append(("free", key + ":bf16", 0))
             ops.append(("alloc", key + ":grad", 4 * shapes[key]))
     return ops

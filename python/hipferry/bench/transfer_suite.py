@@ -114,7 +114,7 @@ def _bandwidth(ctx, dev, rows, step):
                     cs["torch .to (pinned)"] = lambda: pinned.to(dev, non_blocking=True)
                 cs["hipferry prefetch (pool)"] = lambda: hipferry.prefetch(pooled, dev).wait()
                 cs["hipferry prefetch (pageable, staged)"] = lambda: hipferry.prefetch(pageable, dev).wait()
-                cs[memcpy] = (lambda: dst.copy_(pinned, non_blocking=True)) if gpu else (lambda: dst.copy_(pageable))
+                cs[memcpy] = (lambda: dst.copy_(pinned, non_blocking=True)) if gpu else (lambda: dst.copy_(pageable))  # noqa: F821 (a name deleted further down; the lambda runs before that)
             else:
                 ref, src = pageable, pageable.to(dev, copy=True)
                 dst = torch.empty(n, pin_memory=gpu)
@@ -122,7 +122,7 @@ def _bandwidth(ctx, dev, rows, step):
                 if gpu:  # torch allocates a pinned result for a non_blocking device->host copy
                     cs["torch .to(cpu, non_blocking) (pinned)"] = lambda: src.to("cpu", non_blocking=True)
                 cs["hipferry offload (pool)"] = lambda: hipferry.offload(src).wait()
-                cs[memcpy] = lambda: dst.copy_(src, non_blocking=gpu)
+                cs[memcpy] = lambda: dst.copy_(src, non_blocking=gpu)  # noqa: F821 (a name deleted further down; the lambda runs before that)
             _check(cs, ref, gpu)
             best = clock.race(cs, _repeats(ctx, nbytes))
             for name, secs in best.items():
