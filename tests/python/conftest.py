@@ -46,7 +46,9 @@ def pool():
 #     torch names, the build record, the error translation, the fast path);
 #   * every opcheck test (each op under torch's own op checker);
 #   * in every other module, the tests marked `older_torch`, or else its first
-#     test that is not skipped here: each module is imported and runs once.
+#     test that is neither skipped here nor marked `slow`: each module is
+#     imported and runs once (a module of slow tests only, such as the disk
+#     crash test, crosses nothing the others do not, and is left out).
 OLDER_TORCH_MODULES = {"test_bindings.py", "test_tensor_bridge.py", "test_stable_abi.py", "test_torch_compat.py",
                        "test_build_config.py", "test_torch_private.py", "test_pool_fast_path.py",
                        "test_error_translation.py", "test_packaging.py"}
@@ -70,7 +72,8 @@ def older_torch_subset(items):
         module = item.path.name
         if module in OLDER_TORCH_MODULES or "opcheck" in item.name or item.get_closest_marker("older_torch"):
             keep.append(item)
-        elif module not in marked and module not in first_taken and not _skipped_here(item):
+        elif module not in marked and module not in first_taken and not _skipped_here(item) and \
+                not item.get_closest_marker("slow"):
             keep.append(item)
             first_taken.add(module)
     return keep
