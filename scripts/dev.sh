@@ -152,11 +152,11 @@ older_torch() {
 # `default` kernels in one run: hipferry's two builds give the same bits (a
 # test of the main run says so), so pairing each of them with every torch
 # capability would test nothing more.
-CPU_VARIANT_TESTS=(tests/python/test_adamw_step.py tests/python/test_copy_cast.py
-                   tests/python/test_offload_adamw.py tests/python/test_offload_adamw_state.py
-                   tests/python/test_offload_adamw_errors.py tests/python/test_offload_adamw_grad_copies.py
-                   tests/python/test_offload_adamw_torch_parity.py tests/python/test_offload_adamw_fuzz.py
-                   tests/python/test_hf_models.py)  # (Trainer + OffloadAdamW against torch's AdamW)
+CPU_VARIANT_TESTS=(tests/python/optim/test_adamw_step.py tests/python/transfer/test_copy_cast.py
+                   tests/python/optim/test_offload_adamw.py tests/python/optim/test_offload_adamw_state.py
+                   tests/python/optim/test_offload_adamw_errors.py tests/python/optim/test_offload_adamw_grad_copies.py
+                   tests/python/optim/test_offload_adamw_torch_parity.py tests/python/optim/test_offload_adamw_fuzz.py
+                   tests/python/module_offload/test_hf_models.py)  # (Trainer + OffloadAdamW against torch's AdamW)
 cpu_variants() {
   local caps=(default avx2)
   grep -qw avx512f /proc/cpuinfo && caps+=(avx512)

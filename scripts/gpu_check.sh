@@ -8,7 +8,7 @@
 # GoogleTest: the system package, else sources in third_party/googletest (an
 # ignored folder; copy Debian's /usr/src/googletest there), else C++ tests are
 # skipped. Wheels in .whl/ (scripts/dev.sh gpu-wheels: expecttest for opcheck, transformers/peft for
-# tests/python/test_hf_models.py, accelerate) are installed first; without them those tests skip.
+# tests/python/module_offload/test_hf_models.py, accelerate) are installed first; without them those tests skip.
 # Built for the local GPU only (TORCH_CUDA_ARCH_LIST / PYTORCH_ROCM_ARCH from
 # the device) to stay well under 8 minutes on 16 cores.
 set -uo pipefail
@@ -37,7 +37,8 @@ run build env HIPFERRY_BUILD_DIR="$BUILD_DIR" HIPFERRY_BUILD_TESTS=ON HIPFERRY_G
   $PY -m pip install --no-build-isolation --no-deps -v .
 run ctest ctest --test-dir "$BUILD_DIR" --output-on-failure -LE exhaustive -j "$(nproc)"
 run pytest $PY -m pytest -q -ra tests/python --junitxml="$OUT/pytest.xml"
-run pytest_hf $PY -m pytest -q -rs tests/python/test_hf_models.py -k cuda  # the HF suite's GPU cases, on their own
+# The HF suite's GPU cases, on their own:
+run pytest_hf $PY -m pytest -q -rs tests/python/module_offload/test_hf_models.py -k cuda
 run doctor $PY -m hipferry doctor
 run bench $PY -m hipferry bench transfer pool copy_cast --out "$OUT/bench" --repeats 3 --max-bytes 1073741824
 run bench_optim $PY -m hipferry bench optim --out "$OUT/bench_optim" --repeats 3

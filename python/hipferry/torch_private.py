@@ -4,7 +4,7 @@ Note [private torch names]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
 * hipferry prefers public APIs; what is here has none (checked against
   torch 2.15). Each name is wrapped by one small function, and
-  tests/python/test_torch_private.py checks each against the installed torch,
+  tests/python/abi/test_torch_private.py checks each against the installed torch,
   so a torch release that renames or removes one fails in one test that says
   which -- as hip/platform.h keeps the vendor names of the GPU runtimes.
 * Nothing outside this module spells a private torch name (``torch._...``,

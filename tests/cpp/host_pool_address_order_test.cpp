@@ -5,7 +5,7 @@
 // shuffled addresses, and check its bound: a workload repeated with everything
 // freed between rounds needs at most kMaxExtraSegments more segments in its
 // second round than in its first, and none after that, in every order.
-// tests/python/test_pool.py::test_no_leak_over_many_iterations asserts the
+// tests/python/pool/test_pool.py::test_no_leak_over_many_iterations asserts the
 // same bound on the real provider, whose order the test cannot pick.
 #include <gtest/gtest.h>
 

@@ -1,6 +1,6 @@
 // The 8-bit code tables and quantizer (csrc/core/optim/quant8.h, quant8_map.h): the tables'
 // shape and bits (frozen from bitsandbytes 0.50.2's create_dynamic_map under an AVX2 torch;
-// tests/python/test_adamw8bit_step.py compares with the live package), the thresholds
+// tests/python/optim/test_adamw8bit_step.py compares with the live package), the thresholds
 // against exact distances, the CPU's lookup table against the binary search, nearest-code
 // rounding with ties to the lower code, the round-trip bound, zero, saturated and
 // non-finite blocks, a short last block.

@@ -1,7 +1,29 @@
 import gc
+import os
+import sys
 
 import pytest
 import torch
+
+# Note [test folders]
+# ~~~~~~~~~~~~~~~~~~~
+# tests/python is grouped by capability: pool/, transfer/, optim/,
+# module_offload/, abi/ and project/ (layout, docs, tools, examples, the
+# public-API fuzz, the trace). Each folder holds its tests and their helpers;
+# this conftest stays at the top. Tests import helpers and this file by bare
+# name (`from conftest import requires_gpu`, `from disk_helpers import ...`),
+# and a few cross folders (transfer_helpers in module_offload/ and project/,
+# offload_adamw_helpers in project/test_trace.py, hf_model_helpers in
+# optim/test_offload_adamw_overlap.py), so every folder goes on sys.path here,
+# whichever file or folder pytest is given and from wherever it is run (module
+# basenames are unique across the folders, as pytest's default import mode
+# requires anyway). The folders are listed, not named, so a new one needs no
+# edit here.
+TESTS = os.path.dirname(os.path.abspath(__file__))
+FOLDERS = sorted(e.name for e in os.scandir(TESTS) if e.is_dir() and not e.name.startswith(("_", ".")))
+for _path in (TESTS, *(os.path.join(TESTS, f) for f in FOLDERS)):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 
 
 def gpu_available() -> bool:
@@ -41,9 +63,10 @@ def pool():
 # torch minor it supports (scripts/dev.sh older-torch). What can differ there
 # is the ABI crossing, not hipferry's arithmetic, so those runs take a subset
 # (`pytest --subset older-torch`):
-#   * every test of the modules about the crossing (OLDER_TORCH_MODULES: each
-#     binding and op once, the tensor bridge, the stable ABI, the private
-#     torch names, the build record, the error translation, the fast path);
+#   * every test of the modules about the crossing (OLDER_TORCH_MODULES, file
+#     names in abi/ and pool/: each binding and op once, the tensor bridge, the
+#     stable ABI, the private torch names, the build record, the error
+#     translation, the fast path);
 #   * every opcheck test (each op under torch's own op checker);
 #   * in every other module, the tests marked `older_torch`, or else its first
 #     test that is neither skipped here nor marked `slow`: each module is

@@ -4,7 +4,7 @@ host: the one place its asynchronous copies are started and marked.
 OffloadAdamW calls only these three methods for that traffic, so a test can
 put a fake in their place that delays every copy to the latest moment the
 device would allow and checks that nobody writes a copy's source while it
-is in flight (tests/python/overlap_fakes.py, DeferredCopies).
+is in flight (tests/python/optim/overlap_fakes.py, DeferredCopies).
 """
 from typing import Iterable, List
 

@@ -53,7 +53,7 @@ them only during backward (the end of backward, step() and load_state_dict
 wait for it); a speculation's scratch is written by one job at a time (a new
 start waits for the parameter's last job). Jobs go through one `submit`
 (WorkerThread), so tests run them in adversarial orders
-(tests/python/test_offload_adamw_overlap_order.py). Nothing here refers to
+(tests/python/optim/test_offload_adamw_overlap_order.py). Nothing here refers to
 the optimizer: dropping it ends the worker and frees the scratch at once.
 """
 import logging
@@ -100,7 +100,7 @@ class _Speculation:
 class WorkerThread:
     """Where speculative jobs run: one thread, first in first out, made on first
     use. The only scheduler the optimizer uses; the order tests put a fake with
-    the same `submit` in its place (tests/python/overlap_fakes.py)."""
+    the same `submit` in its place (tests/python/optim/overlap_fakes.py)."""
 
     def __init__(self):
         self._pool: Optional[ThreadPoolExecutor] = None

@@ -13,7 +13,7 @@ import torch
 import hipferry
 from hipferry import _C
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 GPU = _C.device_count() > 0
 
 

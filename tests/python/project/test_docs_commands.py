@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 NOT_RUN = "<!-- not run -->"
 SHELL_LANGS = {"bash", "sh", "shell"}
 HELP_TIMEOUT_S = 120

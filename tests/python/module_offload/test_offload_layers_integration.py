@@ -1,5 +1,5 @@
 """offload_layers under the code that real training scripts run around a model
-(without Hugging Face; tests/python/test_hf_models.py runs the same cases on
+(without Hugging Face; test_hf_models.py runs the same cases on
 transformers/peft models): checkpointing that recomputes a block's class
 forward without calling the module, optimizer steps that bump no version,
 calls through inner modules, model.to(), copy.deepcopy, state_dict dtype,

@@ -14,7 +14,7 @@ from torch import nn
 from hipferry import torch_private as tp
 
 Pair = namedtuple("Pair", "x y")
-PACKAGE = Path(__file__).resolve().parents[2] / "python" / "hipferry"  # the sources, wherever hipferry is imported from
+PACKAGE = Path(__file__).resolve().parents[3] / "python" / "hipferry"  # the sources, wherever hipferry is imported from
 
 
 class Probe(torch.autograd.Function):

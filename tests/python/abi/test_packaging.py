@@ -9,7 +9,7 @@ import zipfile
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 # What CMake and setup.py build from, and what the README's commands run.
 BUILD_INPUTS = ("CMakeLists.txt", "setup.py", "pyproject.toml", "MANIFEST.in", "README.md", "requirements-dev.txt")
 BUILD_FOLDERS = ("cmake/", "csrc/", "hip/", "python/", "tests/", "examples/", "scripts/")

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import requires_gpu
 
-EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
+EXAMPLES = pathlib.Path(__file__).resolve().parents[3] / "examples"
 
 
 def run_rejected(script, args, capsys):

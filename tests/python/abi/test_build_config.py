@@ -8,7 +8,7 @@ import pytest
 
 from hipferry.platform import torch_flavor
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 pytestmark = pytest.mark.skipif(shutil.which("cmake") is None, reason="needs cmake")
 
 
