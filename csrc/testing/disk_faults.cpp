@@ -21,6 +21,8 @@ namespace py = pybind11;
 namespace hipferry {
 namespace {
 
+constexpr std::size_t kPage = 4096;
+
 // The armed fault: the `after`-th request (0: the next) of `op` fails with
 // -error, or (error == 0) moves only half of its bytes. `count` faults, then
 // disarmed.
@@ -46,14 +48,17 @@ class FaultyBackend final : public disk::IoBackend {
     {
       std::lock_guard<std::mutex> lock(g_plan.mutex);
       const int op = r.op == disk::IoOp::kRead ? 0 : 1;
-      if (g_plan.armed && (g_plan.op < 0 || g_plan.op == op) && g_plan.after-- <= 0) {
+      // A short transfer stops on a page (O_DIRECT's unit, as a real one would): requests
+      // under two pages pass through without using up the fault.
+      const bool can_fail = g_plan.error != 0 || r.bytes >= 2 * kPage;
+      if (g_plan.armed && can_fail && (g_plan.op < 0 || g_plan.op == op) && g_plan.after-- <= 0) {
         ++g_plan.fired;
         if (--g_plan.count <= 0) g_plan.armed = false;
         if (g_plan.error != 0) {
           failed_.push_back({r.tag, -static_cast<std::int64_t>(g_plan.error)});
           return;  // never reaches the file
         }
-        forwarded.bytes = r.bytes / 2 > 0 ? r.bytes / 2 : r.bytes;  // a short transfer
+        forwarded.bytes = r.bytes / 2 / kPage * kPage;  // a short transfer
       }
     }
     inner_->submit(forwarded);
