@@ -23,6 +23,7 @@ from ..int8_store import SIGNED, dequantized, is_8bit, quantize_into, zero_code
 from ..layout import aligned, memory_flat, shaped
 from ..state import LOW_PRECISION, local
 from .layout import array_dtype, arrays_of, file_name
+from .store import by_format
 
 FICLONE = 0x40049409  # linux/fs.h: _IOW(0x94, 9, int)
 
@@ -107,11 +108,8 @@ def _fill_byte(fmt: str, name: str) -> int:
 
 
 def _groups(store, indices) -> list:
-    groups: dict = {}
-    for i in indices:
-        w = store.manifest.params[i]
-        groups.setdefault((w["format"], w["amsgrad"]), []).append(i)
-    return list(groups.items())
+    """[((format, amsgrad), [index, ...])] of the manifest's parameters `indices` (store.by_format)."""
+    return by_format([(store.manifest.params[i], i) for i in indices])
 
 
 def snapshot(store, dest: str) -> str:

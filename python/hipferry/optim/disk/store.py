@@ -180,7 +180,7 @@ class DiskStore:
     def _fill(self, new: List[tuple]) -> List[torch.Tensor]:
         from ..int8_store import zero_code
         crcs = []
-        for (fmt, amsgrad), group in _by_format([(w, (lp, i, w)) for lp, i, w in new]):
+        for (fmt, amsgrad), group in by_format([(w, (lp, i, w)) for lp, i, w in new]):
             names = arrays_of(fmt, amsgrad)
             params = []
             for lp, index, w in group:
@@ -197,7 +197,7 @@ class DiskStore:
 
     def _restore_params(self, old: List[tuple]) -> None:
         """resume: each parameter := its master as the journal names it."""
-        for (fmt, amsgrad), group in _by_format([(self.manifest.params[i], (lp, i)) for lp, i in old]):
+        for (fmt, amsgrad), group in by_format([(self.manifest.params[i], (lp, i)) for lp, i in old]):
             names = arrays_of(fmt, amsgrad)
             params, back = [], []
             for lp, index in group:
@@ -259,7 +259,7 @@ class DiskStore:
         done: List[Tuple[str, bool, List[dict]]] = []
         new_entries = list(self.journal.entries)
         try:
-            for (fmt, amsgrad), group in _by_format([(self.manifest.params[self.index[id(it["param"])]], it)
+            for (fmt, amsgrad), group in by_format([(self.manifest.params[self.index[id(it["param"])]], it)
                                                      for it in items]):
                 params = [self._step_plan(fmt, amsgrad, it, new_entries) for it in group]
                 self._run("step", fmt, amsgrad, params)
@@ -322,7 +322,7 @@ class DiskStore:
         self.lock.release()
 
 
-def _by_format(pairs: List[tuple]) -> List[tuple]:
+def by_format(pairs: List[tuple]) -> List[tuple]:
     """[(manifest entry, x)] -> [((format, amsgrad), [x, ...])], in first-seen order."""
     groups: Dict[tuple, list] = {}
     for entry, x in pairs:
