@@ -198,14 +198,15 @@ check_gpu_builds() {
 }
 
 # The CPU-only extension (HIPFERRY_TARGET=cpu: a laptop's torch without a GPU
-# toolchain), installed into a folder of its own and tested with pytest.
+# toolchain), installed into a folder of its own and tested with pytest: the
+# tests of what differs there (Note [cpu-build subset] in tests/python/conftest.py).
 check_cpu_build() {
   step "CPU-only build of the torch extension, and the Python tests against it"
   HIPFERRY_TARGET=cpu HIPFERRY_BUILD_DIR="$PWD/build/check-cpu-torch" HIPFERRY_BUILD_TESTS=OFF HIPFERRY_TEST_HOOKS=ON MAX_JOBS=$JOBS \
     quiet_pip $PY -m pip install --no-build-isolation --no-deps -q --upgrade --target build/check-cpu-site .
   PYTHONPATH="$PWD/build/check-cpu-site" $PY -c \
     "import hipferry; b = hipferry.build_info(); assert b['target'] == 'cpu', b; print('CPU-only build:', b)"
-  PYTHONPATH="$PWD/build/check-cpu-site" $PY -m pytest -q -ra -p no:cacheprovider tests/python
+  PYTHONPATH="$PWD/build/check-cpu-site" $PY -m pytest -q -ra -p no:cacheprovider --subset cpu-build tests/python
 }
 
 sanitize() {

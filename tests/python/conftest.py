@@ -78,8 +78,9 @@ OLDER_TORCH_MODULES = {"test_bindings.py", "test_tensor_bridge.py", "test_stable
 
 
 def pytest_addoption(parser):
-    parser.addoption("--subset", choices=["older-torch"], default=None,
-                     help="run the subset for older torch releases (Note [older-torch subset] in conftest.py)")
+    parser.addoption("--subset", choices=sorted(SUBSETS), default=None,
+                     help="run a subset: older-torch (Note [older-torch subset] in conftest.py) or cpu-build "
+                          "(Note [cpu-build subset])")
 
 
 def _skipped_here(item) -> bool:
@@ -102,6 +103,26 @@ def older_torch_subset(items):
     return keep
 
 
+# Note [cpu-build subset]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# The CPU-only build (scripts/dev.sh check-cpu-build) compiles the same core and
+# CPU loops as the main build; what differs is the runtime under them (no GPU
+# runtime: the host memory providers, device checks, the build record). Its run
+# (`pytest --subset cpu-build`) takes the older-torch subset (every binding, op
+# and module once) and every test of the folders whose code calls that runtime:
+# abi/, pool/ and transfer/.
+CPU_BUILD_FOLDERS = {"abi", "pool", "transfer"}
+
+
+def cpu_build_subset(items):
+    """The items `--subset cpu-build` keeps, in collection order."""
+    kept = set(map(id, older_torch_subset(items)))
+    return [item for item in items if id(item) in kept or item.path.parent.name in CPU_BUILD_FOLDERS]
+
+
+SUBSETS = {"older-torch": older_torch_subset, "cpu-build": cpu_build_subset}
+
+
 def collected_items(config):
     """Every test this run collected, before `--subset` chose from them."""
     return config.stash[_COLLECTED]
@@ -112,9 +133,10 @@ _COLLECTED = pytest.StashKey()
 
 def pytest_collection_modifyitems(config, items):
     config.stash[_COLLECTED] = list(items)
-    if config.getoption("--subset") != "older-torch":
+    subset = config.getoption("--subset")
+    if subset is None:
         return
-    keep = older_torch_subset(items)
+    keep = SUBSETS[subset](items)
     kept = set(map(id, keep))
     config.hook.pytest_deselected(items=[item for item in items if id(item) not in kept])
     items[:] = keep

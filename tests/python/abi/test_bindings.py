@@ -288,6 +288,16 @@ def test_the_older_torch_subset_covers_every_module_and_every_opcheck(request):
         assert len(subset) < len(everything) / 4, (len(subset), len(everything))
 
 
+def test_the_cpu_build_subset_keeps_every_module_and_all_of_the_runtime_folders(request):
+    from conftest import CPU_BUILD_FOLDERS, collected_items, cpu_build_subset, older_torch_subset
+    everything = collected_items(request.config)
+    subset = {item.nodeid for item in cpu_build_subset(everything)}
+    assert {item.nodeid for item in older_torch_subset(everything)} <= subset
+    runtime = {item.nodeid for item in everything if item.path.parent.name in CPU_BUILD_FOLDERS}
+    assert runtime <= subset
+    assert subset == {item.nodeid for item in older_torch_subset(everything)} | runtime
+
+
 def test_transfer_errors_name_sources_as_the_caller_says():
     pool_id = hipferry.default_pool().native_id
     xs = [torch.arange(4.0), torch.arange(3.0).to_sparse()]  # the second is not strided
