@@ -16,6 +16,7 @@ _C.cpu_isa()  # a bad HIPFERRY_CPU_ISA fails here, in one sentence, not inside a
 from . import optim  # noqa: F401  (hipferry.optim.OffloadAdamW)
 from .module_offload import LayerOffload, NothingOffloadedWarning, offload_activations, offload_layers
 from .ops import copy_cast_
+from .planner import plan
 from .platform import build_info, device_count, device_info
 from .pool import PinnedPool, configure_default_pool, default_pool, pin
 from .trace import Trace, trace, trace_region
@@ -24,4 +25,4 @@ from .transfer import Transfer, configure_transfers, offload, prefetch, transfer
 __all__ = ["copy_cast_", "build_info", "device_count", "device_info", "PinnedPool", "default_pool",
            "configure_default_pool", "pin", "prefetch", "offload", "Transfer", "transfer_stats",
            "configure_transfers", "offload_layers", "LayerOffload", "offload_activations",
-           "NothingOffloadedWarning", "trace", "trace_region", "Trace", "optim", "__version__"]
+           "NothingOffloadedWarning", "plan", "trace", "trace_region", "Trace", "optim", "__version__"]

@@ -154,8 +154,8 @@ def available() -> List[str]:
 
 def _load_suites() -> None:
     # The suites register themselves.
-    from . import (copy_cast_suite, disk_suite, layers_suite, offload_suite, optim_suite, pool_suite,  # noqa: F401
-                   transfer_suite)
+    from . import (copy_cast_suite, disk_suite, layers_suite, offload_suite, optim_suite, plan_suite,  # noqa: F401
+                   pool_suite, transfer_suite)
 
 
 def prepare_out_dir(out_dir: str) -> None:

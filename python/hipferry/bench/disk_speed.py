@@ -8,14 +8,12 @@ import json
 import os
 import shutil
 import subprocess
-import time
 from typing import Callable, Dict, Optional, Tuple
 
-import torch
+from ..optim.disk import DEPTH, REQUEST, RawIo
 
 FIO_READ, FIO_WRITE = "fio read (io_uring, direct)", "fio write (io_uring, direct)"
 OWN_READ, OWN_WRITE = "own reader (DiskIo.raw_pass)", "own writer (DiskIo.raw_pass)"
-DEPTH, REQUEST = 32, 1 << 20
 
 
 def _fio(path: str, rw: str, nbytes: int) -> float:
@@ -34,31 +32,6 @@ def _fio(path: str, rw: str, nbytes: int) -> float:
     return float(job[rw]["bw_bytes"])
 
 
-class OwnIo:
-    """The bench's reader/writer: one DiskIo with the optimizer's depth and request size."""
-
-    def __init__(self, path: str, nbytes: int, backend: str = "auto"):
-        from .. import _C
-        from ..pool import default_pool
-        self.io = _C.DiskIo(backend, DEPTH, REQUEST)
-        self.file = self.io.open(path, True)
-        self.io.reserve(self.file, nbytes)
-        self.nbytes = nbytes
-        self.window = default_pool().empty(DEPTH * REQUEST, dtype=torch.uint8, alignment=4096)
-        self.window.fill_(0x5A)
-        self.direct = self.io.file_info(self.file)[1]
-
-    def timed(self, op: str) -> float:
-        t0 = time.perf_counter()
-        self.io.raw_pass(op, self.file, self.nbytes, self.window)
-        if op == "write":
-            self.io.sync(self.file)
-        return time.perf_counter() - t0
-
-    def close(self) -> None:
-        self.io.close()
-
-
 def measure_speed(folder: str, nbytes: int, repeats: int, step: Callable[[str], None]) -> Tuple[Dict[str, float], list]:
     """{contender: best bytes/s} for fio (if on PATH) and the own reader/writer,
     interleaved `repeats` rounds (write before read: the read finds a written file);
@@ -68,7 +41,7 @@ def measure_speed(folder: str, nbytes: int, repeats: int, step: Callable[[str], 
     if fio is None:
         notes.append("fio not on PATH: the disk's speed is the own reader/writer's alone (apt install fio)")
     best: Dict[str, float] = {}
-    own: Optional[OwnIo] = OwnIo(os.path.join(folder, "own.dat"), nbytes)
+    own: Optional[RawIo] = RawIo(os.path.join(folder, "own.dat"), nbytes)
     if not own.direct:
         notes.append(f"O_DIRECT refused in {folder}: the own reader/writer (and the step) go through the page "
                      f"cache ({own.io.file_info(own.file)[2]})")

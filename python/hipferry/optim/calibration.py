@@ -19,9 +19,14 @@ _MiB = 1 << 20
 _cache: dict = {}
 
 
-def _cache_path() -> str:
+def cache_file(name: str) -> str:
+    """$HIPFERRY_CACHE_DIR/name (default ~/.cache/hipferry/name): where measurements are kept."""
     root = os.environ.get("HIPFERRY_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "hipferry")
-    return os.path.join(root, "calibration.json")
+    return os.path.join(root, name)
+
+
+def _cache_path() -> str:
+    return cache_file("calibration.json")
 
 
 def _key(device: torch.device) -> str:
@@ -41,7 +46,8 @@ def _cpu_adamw_params_per_s(n: int = 4 << 20, repeats: int = 3) -> float:
     return n / best
 
 
-def _link_gbps(device: torch.device, nbytes: int = 64 * _MiB, repeats: int = 3) -> tuple:
+def link_gbps(device: torch.device, nbytes: int = 64 * _MiB, repeats: int = 3) -> tuple:
+    """Pinned host <-> `device` copy speed, GB/s, (host to device, device to host), best of `repeats`."""
     host = default_pool().empty(nbytes, dtype=torch.uint8)
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
     best = {"h2d": float("inf"), "d2h": float("inf")}
@@ -85,7 +91,7 @@ def calibrate(device: Optional[torch.device] = None, *, refresh: bool = False) -
     result = {"device": str(device), "cpu_adamw_params_per_s": _cpu_adamw_params_per_s(),
               "cpu_threads": torch.get_num_threads(), "measured": time.strftime("%Y-%m-%d %H:%M:%S")}
     if device.type == "cuda":
-        result["link_h2d_gbps"], result["link_d2h_gbps"] = _link_gbps(device)
+        result["link_h2d_gbps"], result["link_d2h_gbps"] = link_gbps(device)
     _cache[key] = result
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)

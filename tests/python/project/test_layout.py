@@ -110,7 +110,7 @@ GENERATED = ("_C", "_build_config")  # built next to the package: leaves of the 
 KNOWN_ABOVE = {f"hipferry.bench.{m} -> hipferry" for m in (
     "disk_rss", "layers_suite", "offload_suite", "optim_suite", "pool_calls", "transfer_suite")}
 KNOWN_CYCLES = [["hipferry.bench"] + [f"hipferry.bench.{m}" for m in (
-    "copy_cast_suite", "disk_suite", "layers_suite", "offload_suite", "optim_suite", "pool_calls", "pool_suite",
+    "copy_cast_suite", "disk_suite", "layers_suite", "offload_suite", "optim_suite", "plan_suite", "pool_calls", "pool_suite",
     "transfer_suite")]]
 
 

@@ -7,8 +7,10 @@
   checksums, replaced atomically after a step's data is durable; the lock;
 - store.py: DiskStore, the state store OffloadAdamW steps through
   (hipferry._C.DiskIo runs the I/O and the fused step);
-- persistence.py: state_dict (file-backed tensors), load_state_dict, snapshot.
+- persistence.py: state_dict (file-backed tensors), load_state_dict, snapshot;
+- raw_io.py: the disk's raw sequential speed through the same I/O queue.
 """
-from .options import DiskOptions
+from .options import QUANTUM, DiskOptions
+from .raw_io import DEPTH, REQUEST, RawIo
 
-__all__ = ["DiskOptions"]
+__all__ = ["DiskOptions", "QUANTUM", "RawIo", "DEPTH", "REQUEST"]

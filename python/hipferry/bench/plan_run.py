@@ -1,0 +1,52 @@
+"""One real run of the planner's validation (suite `plan`), in a process of its own so
+that its memory is its own: build a tiny Llama from a config, plan it (the prediction
+for every home), then train `steps` steps with the state in one home and measure the
+peak resident growth and the step times. Prints one JSON line.
+
+python -m hipferry.bench.plan_run '{"hidden": 512, "layers": 8, "vocab": 8192,
+    "batch": 2, "seq": 128, "home": "host-8bit", "state_dir": "/tmp/x", "steps": 4}'"""
+import json
+import sys
+import time
+
+
+def llama(hidden: int, layers: int, vocab: int, seq: int):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 64 * 64, num_hidden_layers=layers,
+                      num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 64),
+                      vocab_size=vocab, max_position_embeddings=max(seq, 64))
+    return LlamaForCausalLM(cfg)
+
+
+def run(spec: dict) -> dict:
+    import torch
+
+    from ..planner import HighWater, plan, rss_bytes
+    model = llama(spec["hidden"], spec["layers"], spec["vocab"], spec["seq"])
+    ids = torch.randint(0, spec["vocab"], (spec["batch"], spec["seq"]), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "labels": ids}
+    held = rss_bytes()
+    p = plan(model, batch=batch, state_dir=spec["state_dir"], host_memory=1 << 50, disk_budget=1 << 50,
+                      verbose=False)
+    opt = p.apply(model, home=spec["home"], lr=1e-4).optimizer
+    high = HighWater()  # from RSS now (the plan's pass already left what it leaves)
+    times, losses = [], []
+    for _ in range(spec["steps"]):
+        t0 = time.perf_counter()
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+    grown, how = high.growth()
+    peak = high.start + grown
+    return {"home": spec["home"], "params": p.profile.numel, "held_bytes": held, "peak_bytes": peak,
+            "measured_growth": peak - held, "measured_by": how, "step_times": times, "losses": losses,
+            "candidates": p.explain(as_dict=True)["candidates"], "fwd_bwd_seconds": p.profile.fwd_bwd_seconds}
+
+
+if __name__ == "__main__":
+    print(json.dumps(run(json.loads(sys.argv[1]))))

@@ -1,0 +1,124 @@
+"""Suite `plan`: the planner's own test. For each model size, every home of the
+optimizer state is run for real (bench/plan_run.py, a process each) and its
+measured peak resident growth and step time are set beside the planner's
+prediction; then, for each host budget and set of allowed homes, the planner's
+choice is set beside the best of the others that fit.
+
+Targets (issue 34): memory within 10%, step time within 25%, the chosen home
+never more than 10% slower than the fastest other home that fits."""
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+from . import Context, SuiteResult, suite
+
+SIZES = {  # name: (hidden, layers, vocab), batch 2 x 128 tokens
+    "llama-9m": (256, 6, 8192),
+    "llama-33m": (512, 8, 8192),
+    "llama-85m": (768, 10, 16384),
+}
+QUICK_SIZES = {"llama-2m": (128, 2, 2048)}
+FAMILIES = {"all homes": None, "float32 homes": ("torch", "host-float32", "disk-float32")}
+MEMORY_TOL, TIME_TOL, CHOICE_TOL = 0.10, 0.25, 0.10
+
+
+def _child(spec: dict) -> dict:
+    r = subprocess.run([sys.executable, "-m", "hipferry.bench.plan_run", json.dumps(spec)], capture_output=True,
+                       text=True, timeout=1800)
+    if r.returncode:
+        raise RuntimeError(f"plan run {spec['home']} failed: {r.stderr.strip()[-2000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _budgets(runs: dict) -> list:
+    """Host budgets that separate the homes: all fit; float32 in RAM does not; only the disk fits."""
+    pred = {h: r["predicted"]["host_peak_bytes"] for h, r in runs.items()}
+    ample = int(max(pred.values()) * 1.2)
+    no_f32 = (max(pred["host-8bit"], pred["disk-float32"]) + min(pred["torch"], pred["host-float32"])) // 2
+    disk_only = (max(pred["disk-float32"], pred["disk-8bit"]) + pred["host-8bit"]) // 2
+    return [("ample", ample), ("no float32 in RAM", no_f32), ("disk only", disk_only)]
+
+
+def _choice_rows(size: str, runs: dict, state_dir: str) -> list:
+    from ..planner import Candidate, choose
+    rows = []
+    for budget_name, host in _budgets(runs):
+        for family, homes in FAMILIES.items():
+            cands = [Candidate(h, r["predicted"]["host_peak_bytes"], 0, r["predicted"]["disk_bytes"],
+                               r["predicted"]["step_seconds"]) for h, r in runs.items() if homes is None or h in homes]
+            chosen = choose(cands, {"host_memory": host, "gpu_memory": None, "disk": None}, state_dir)
+            measured = {h: runs[h]["measured_step"] for h in (c.home for c in cands if c.fits)}
+            row = {"model": size, "host budget": f"{budget_name} ({host / 1e9:.2f} GB)", "homes": family,
+                   "chosen": chosen.home if chosen else "none fits"}
+            if chosen:
+                others = {h: t for h, t in measured.items() if h != chosen.home}
+                best = min(others, key=others.get) if others else None
+                row.update({"chosen measured s": measured[chosen.home], "best other": best or "-",
+                            "best other measured s": others[best] if best else None,
+                            "chosen / best other": measured[chosen.home] / others[best] if best else None,
+                            "chosen peak fits": runs[chosen.home]["measured_peak"] <= host})
+                row["ok"] = (best is None or row["chosen / best other"] <= 1 + CHOICE_TOL) and row["chosen peak fits"]
+            rows.append(row)
+    return rows
+
+
+@suite("plan")
+def plan_suite(ctx: Context) -> SuiteResult:
+    import torch
+
+    from ..optim import HOMES
+    from ..planner import measure_machine
+    sizes = QUICK_SIZES if ctx.quick else SIZES
+    base = ctx.disk_dir or tempfile.gettempdir()
+    steps = 3 if ctx.quick else 5
+    ctx.progress("plan", 0, len(sizes) * len(HOMES), "measuring the machine (refresh: this run's own figures)")
+    with tempfile.TemporaryDirectory(dir=base, prefix="hipferry-plan-") as folder:
+        measure_machine(torch.device("cpu"), folder, refresh=True)
+        rows, choice_rows, i = [], [], 0
+        for size, (hidden, layers, vocab) in sizes.items():
+            runs = {}
+            for home in HOMES:
+                i += 1
+                ctx.progress("plan", i, len(sizes) * len(HOMES), f"{size}, state {home}: plan, then {steps} steps")
+                state_dir = os.path.join(folder, f"{size}-{home}")
+                out = _child({"hidden": hidden, "layers": layers, "vocab": vocab, "batch": 2, "seq": 128,
+                              "home": home, "state_dir": state_dir, "steps": steps})
+                pred = next(c for c in out["candidates"] if c["home"] == home)
+                measured_step = statistics.median(out["step_times"][1:])
+                growth_pred = pred["host_peak_bytes"] - out["held_bytes"]
+                runs[home] = {"predicted": pred, "measured_step": measured_step, "measured_peak": out["peak_bytes"]}
+                mem_err = growth_pred / out["measured_growth"] - 1
+                time_err = pred["step_seconds"] / measured_step - 1
+                rows.append({"model": size, "params (M)": out["params"] / 1e6, "home": home,
+                             "predicted growth (MB)": growth_pred / 1e6,
+                             "measured growth (MB)": out["measured_growth"] / 1e6, "memory error": mem_err,
+                             "predicted step (s)": pred["step_seconds"], "measured step (s)": measured_step,
+                             "time error": time_err, "memory ok": abs(mem_err) <= MEMORY_TOL,
+                             "time ok": abs(time_err) <= TIME_TOL})
+            choice_rows += _choice_rows(size, runs, folder)
+    notes = [f"peak resident growth: {out['measured_by']}, from the RSS before plan() to the peak of the steps; "
+             f"step: median of steps 2..{steps} (forward, backward, step, zero_grad), a process per run",
+             "the choice: for each budget and set of allowed homes, the planner picks from its predictions; "
+             "'chosen / best other' compares the measured steps of the chosen home and the fastest other that fits"]
+    for name, key, tol in (("memory", "memory error", MEMORY_TOL), ("step time", "time error", TIME_TOL)):
+        worst = max(rows, key=lambda r: abs(r[key]))
+        met = all(abs(r[key]) <= tol for r in rows)
+        notes.append(f"target {name} within {tol:.0%}: {'met' if met else 'MISSED'} "
+                     f"(worst {worst[key]:+.1%}: {worst['model']}, {worst['home']})")
+    bad = [r for r in choice_rows if r.get("ok") is False]
+    notes.append(f"target chosen home <= {1 + CHOICE_TOL:.2f}x the best other that fits: "
+                 f"{'met' if not bad else 'MISSED'} in {len(choice_rows) - len(bad)}/{len(choice_rows)} configurations")
+    for r in choice_rows:
+        notes.append("choice: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+                                            for k, v in r.items()))
+    plots = [{"x": "home", "y": "measured step (s)", "series": "model", "kind": "bar", "logx": False,
+              "title": "Measured step time by home of the state", "ylabel": "seconds"},
+             {"x": "home", "y": "memory error", "series": "model", "kind": "bar", "logx": False,
+              "title": "Predicted / measured peak growth - 1", "ylabel": "relative error"}]
+    return SuiteResult(rows=rows, columns=["model", "params (M)", "home", "predicted growth (MB)",
+                                           "measured growth (MB)", "memory error", "predicted step (s)",
+                                           "measured step (s)", "time error", "memory ok", "time ok"],
+                       plots=plots, notes=notes)

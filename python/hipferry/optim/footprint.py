@@ -1,0 +1,85 @@
+"""What each home of the AdamW state costs, from the parameters alone (hipferry.plan
+asks): host,
+GPU and disk bytes that stay for the whole run, and bytes on the disk a step
+reads and writes. The rules are the stores' own (state_store.py, int8_store.py,
+disk/), written beside them so that a prediction follows them when they change.
+
+Homes:
+  torch          torch.optim.AdamW where the parameters are: nothing offloaded
+  host-float32   OffloadAdamW, float32 m and v (and master) in pinned host memory
+  host-8bit      OffloadAdamW(state_dtype=torch.uint8): blockwise 8-bit m and v
+  disk-float32   OffloadAdamW(state_dir=...): the state in files, a window in RAM
+  disk-8bit      the same with 8-bit m and v
+"""
+from dataclasses import dataclass
+from typing import List, Tuple
+
+import torch
+
+from .. import _C
+from .disk.options import QUANTUM, DiskOptions
+from .int8_store import MIN_8BIT_NUMEL
+
+HOMES = ("torch", "host-float32", "host-8bit", "disk-float32", "disk-8bit")
+_FLOAT = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass
+class HomeCost:
+    resident_bytes: int      # on the device of the parameters (torch) or the host (the others)
+    disk_bytes: int = 0      # both slots of every file
+    disk_step_bytes: int = 0  # read and, again, written by a step
+    where: str = "host"      # where resident_bytes are: "host" or "device"
+
+
+def _has_master(dtype: torch.dtype) -> bool:
+    return dtype in (torch.bfloat16, torch.float16)
+
+
+def _fmt(home: str, numel: int) -> str:
+    return "uint8" if home.endswith("8bit") and numel >= MIN_8BIT_NUMEL else "float32"
+
+
+def _ram_bytes(numel: int, dtype: torch.dtype, fmt: str, amsgrad: bool) -> int:
+    master = 4 * numel if _has_master(dtype) else 0
+    if fmt == "uint8":
+        blocks = -(-numel // 256)
+        return master + (numel + 4 * blocks) * (3 if amsgrad else 2)
+    return master + 4 * numel * (3 if amsgrad else 2)
+
+
+def home_cost(home: str, trainable: List[Tuple[int, torch.dtype]], on_gpu: bool, amsgrad: bool = False,
+              disk: DiskOptions = DiskOptions()) -> HomeCost:
+    if home == "torch":  # m and v (and max_v) in the parameter's dtype, where it lives
+        nbytes = sum(n * (torch.finfo(d).bits // 8 if d in _FLOAT else 4) * (3 if amsgrad else 2)
+                     for n, d in trainable)
+        return HomeCost(nbytes, where="device" if on_gpu else "host")
+    if home.startswith("host"):
+        return HomeCost(sum(_ram_bytes(n, d, _fmt(home, n), amsgrad) for n, d in trainable))
+    # On disk (DiskStore): every float parameter's state in files; the host holds the window.
+    slot = 0
+    for n, _ in trainable:
+        slot += sum(_C._disk_regions(_fmt(home, n), amsgrad, n))
+    return HomeCost(_window_touched(home, trainable, amsgrad, disk), disk_bytes=2 * slot, disk_step_bytes=slot)
+
+
+def _window_touched(home: str, trainable: List[Tuple[int, torch.dtype]], amsgrad: bool, disk: DiskOptions) -> int:
+    """The pages of DiskStore's window that a step touches: its buffers are sized for
+    the longest chunk in the largest format (DiskStore._ensure_window), each pass (one
+    per format) hands chunk i buffer i % buffers (chunk_pipeline.h), and a chunk
+    touches the pages its own arrays fill."""
+    longest = max(min(n, disk.chunk_numel) for n, _ in trainable)
+    buf = _C._disk_chunk_buffer_bytes("float32", True, -(-longest // QUANTUM) * QUANTUM)
+    chunks = sum(-(-n // disk.chunk_numel) for n, _ in trainable)
+    buffers = max(1, min(disk.window_bytes // buf, chunks))
+    touched = [0] * buffers
+    for fmt in ("float32", "uint8"):
+        i = 0
+        for n, _ in trainable:
+            if _fmt(home, n) != fmt:
+                continue
+            for first in range(0, n, disk.chunk_numel):
+                size = _C._disk_chunk_buffer_bytes(fmt, amsgrad, min(disk.chunk_numel, n - first))
+                touched[i % buffers] = max(touched[i % buffers], size)
+                i += 1
+    return sum(touched)

@@ -1,0 +1,295 @@
+"""hipferry.plan(): every home of the optimizer state estimated from the model's
+measured pass and the machine's measured speeds; the fastest that fits chosen.
+
+Peak memory of a step = what the process holds now + the pass's measured growth
+(activations, gradients, temporaries) + what the state's home keeps resident.
+Step time = the measured pass + the state's step: parameters x the measured
+seconds per parameter of that home, and for a disk home at least its bytes
+over the measured read and write speeds, plus two flushes."""
+import os
+import shutil
+import sys
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+from torch import nn
+
+from .. import _C
+from ..optim import HOMES, DiskOptions, home_cost
+from ..pool_args import parse_bytes
+from .machine import measure_machine
+from .profile import ModelProfile, profile_model, trainable_parameters
+from .rss import rss_bytes
+
+# A home is taken over nothing offloaded ("torch") only when predicted this much faster:
+# below it the difference is within what the estimate can tell (docs/planner.md).
+PREFER_PLAIN_WITHIN = 0.10
+
+
+class PlanError(ValueError):
+    """No placement fits; the message names the smallest budget that would work."""
+
+
+@dataclass
+class Candidate:
+    home: str
+    host_peak: int          # bytes the process will hold at its peak
+    device_peak: int        # bytes of GPU memory at the peak (0 on the CPU)
+    disk_bytes: int
+    step_seconds: float
+    parts: Dict[str, float] = field(default_factory=dict)
+    fits: bool = False
+    why: str = ""
+
+    def row(self) -> dict:
+        return {"home": self.home, "fits": self.fits, "host_peak_bytes": self.host_peak,
+                "device_peak_bytes": self.device_peak, "disk_bytes": self.disk_bytes,
+                "step_seconds": self.step_seconds, "parts": dict(self.parts), "why": self.why}
+
+
+@dataclass
+class Applied:
+    optimizer: torch.optim.Optimizer
+    home: str
+
+
+def _gb(n: float) -> str:
+    """Bytes in GB to the MB: budgets quoted back must be precise enough to use."""
+    return f"{n / 1e9:.3f} GB"
+
+
+class Plan:
+    """What plan() found: the candidates, the chosen one, and how to build it."""
+
+    def __init__(self, candidates: List[Candidate], chosen: Candidate, budgets: dict, machine: dict,
+                 profile: ModelProfile, state_dir: Optional[str], disk: DiskOptions):
+        self.candidates, self.chosen, self.budgets = candidates, chosen, budgets
+        self.machine, self.profile, self.state_dir, self.disk = machine, profile, state_dir, disk
+
+    @property
+    def home(self) -> str:
+        return self.chosen.home
+
+    def explain(self, as_dict: bool = False):
+        """The table of candidates (text), or with as_dict=True everything as a dict."""
+        if as_dict:
+            return {"chosen": self.chosen.home, "budgets": dict(self.budgets), "machine": dict(self.machine),
+                    "model": {"trainable_params": self.profile.numel, "device": str(self.profile.device),
+                              "fwd_bwd_seconds": self.profile.fwd_bwd_seconds,
+                              "pass_host_bytes": self.profile.pass_host_bytes,
+                              "pass_device_bytes": self.profile.pass_device_bytes},
+                    "candidates": [c.row() for c in self.candidates]}
+        lines = [f"hipferry.plan: {self.profile.numel / 1e6:.1f} M trainable parameters on "
+                 f"{self.profile.device}; forward+backward {self.profile.fwd_bwd_seconds * 1e3:.0f} ms (measured)",
+                 "budgets: " + ", ".join(f"{k} {_gb(v) if v is not None else 'not limited'}"
+                                         for k, v in self.budgets.items()),
+                 f"{'':2}{'state home':<14}{'host peak':>11}{'GPU peak':>11}{'disk':>10}{'step':>10}  why"]
+        for c in self.candidates:
+            mark = "->" if c is self.chosen else "  "
+            lines.append(f"{mark}{c.home:<14}{_gb(c.host_peak):>11}{_gb(c.device_peak):>11}"
+                         f"{_gb(c.disk_bytes):>10}{c.step_seconds:>9.3f}s  {c.why}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return self.explain()
+
+    def apply(self, model: nn.Module, *, home: Optional[str] = None, **optimizer_kwargs: Any) -> Applied:
+        """The optimizer of the chosen home (or of `home`, another candidate that fits)
+        over the model's trainable parameters (optimizer_kwargs: lr, betas,
+        weight_decay, ... as torch.optim.AdamW takes)."""
+        from ..optim import OffloadAdamW
+        if home is not None:
+            fitting = [c.home for c in self.candidates if c.fits]
+            if home not in fitting:
+                raise ValueError(f"Plan.apply: home must be one of the candidates that fit, {fitting}, got {home!r}")
+        params = trainable_parameters(model)
+        if not params:
+            raise ValueError("Plan.apply: the model has no trainable parameters")
+        home = home or self.chosen.home
+        if home == "torch":
+            fused = params[0].device.type in ("cpu", "cuda") and "foreach" not in optimizer_kwargs
+            opt = torch.optim.AdamW(params, **({"fused": True} if fused else {}), **optimizer_kwargs)
+        else:
+            dtype = torch.uint8 if home.endswith("8bit") else torch.float32
+            window = next(c for c in self.candidates if c.home == home).parts.get("window_bytes")
+            disk = replace(self.disk, window_bytes=int(window)) if window else self.disk
+            extra = {"state_dir": self.state_dir, "disk": disk} if home.startswith("disk") else {}
+            opt = OffloadAdamW(params, state_dtype=dtype, **extra, **optimizer_kwargs)
+        return Applied(optimizer=opt, home=home)
+
+
+def _check_budget(value: Any, name: str) -> Optional[int]:
+    if isinstance(value, float) and not isinstance(value, bool):
+        if value < 0 or value != value:
+            raise ValueError(f"hipferry.plan: {name} must be >= 0 bytes, got {value}")
+        value = int(value)
+    try:
+        return parse_bytes(value, name)
+    except (TypeError, ValueError) as e:
+        raise type(e)(str(e).replace("hipferry:", "hipferry.plan:")) from None
+
+
+def _check_state_dir(state_dir: Any) -> Optional[str]:
+    if state_dir is None:
+        return None
+    if not isinstance(state_dir, (str, os.PathLike)):
+        raise ValueError(f"hipferry.plan: state_dir must be a path (str or os.PathLike), got "
+                         f"{type(state_dir).__name__}")
+    state_dir = os.fspath(state_dir)
+    probe = state_dir if os.path.isdir(state_dir) else os.path.dirname(os.path.abspath(state_dir))
+    if not os.path.isdir(probe) or not os.access(probe, os.W_OK | os.X_OK):
+        raise ValueError(f"hipferry.plan: state_dir {state_dir!r} is not a writable folder (or in one)")
+    return state_dir
+
+
+def _available_host() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+        return info["MemAvailable"] + max(0, rss_bytes())
+    except (OSError, KeyError, ValueError):
+        return 0
+
+
+def _estimate(home: str, prof: ModelProfile, machine: dict, held: int, amsgrad: bool, disk: DiskOptions) -> Candidate:
+    on_gpu = prof.device.type == "cuda"
+    cost = home_cost(home, prof.trainable, on_gpu, amsgrad, disk)
+    n = prof.numel
+    speed_key = home if home in ("torch", "host-float32", "host-8bit") else "host-" + home.split("-")[1]
+    step = n * machine[f"step_s_per_param[{speed_key}]"]
+    parts = {"fwd_bwd": prof.fwd_bwd_seconds, "state_step": step}
+    if on_gpu and home != "torch":  # gradients down and parameters up, beside the host step
+        link = sum(c * 4 for c, _ in prof.trainable) / (min(machine["link_h2d_gbps"], machine["link_d2h_gbps"]) * 1e9)
+        parts["link"] = link
+        step = max(step, link)
+    if home.startswith("disk") and "disk_read_gbps" in machine:  # (without a state_dir: refused in choose)
+        io = cost.disk_step_bytes / (machine["disk_read_gbps"] * 1e9) + \
+            cost.disk_step_bytes / (machine["disk_write_gbps"] * 1e9) + 2 * machine["disk_flush_seconds"]
+        parts["disk_io"] = io
+        step = max(step, io)
+    host = held + prof.pass_host_bytes + (cost.resident_bytes if cost.where == "host" else 0)
+    device = (prof.pass_device_bytes + (cost.resident_bytes if cost.where == "device" else 0)
+              + (torch.cuda.memory_allocated(prof.device) if on_gpu else 0))
+    return Candidate(home, host, device, cost.disk_bytes, prof.fwd_bwd_seconds + step, parts)
+
+
+def _disk_fitted(c: Candidate, budgets: dict, prof: ModelProfile, machine: dict, held: int, amsgrad: bool,
+                 disk: DiskOptions) -> Candidate:
+    """A disk home over the host budget with its window shrunk, down to two chunk
+    buffers, by what it is over (the window is its host memory: disk.window_bytes)."""
+    have = budgets["host_memory"]
+    if not c.home.startswith("disk") or have is None or c.host_peak <= have:
+        return c
+    buf = _C._disk_chunk_buffer_bytes("float32", True, disk.chunk_numel)
+    for buffers in range(disk.window_bytes // buf - 1, 1, -1):  # (at least two: DiskStore's floor)
+        smaller = _estimate(c.home, prof, machine, held, amsgrad, replace(disk, window_bytes=buffers * buf))
+        if smaller.host_peak <= have:
+            smaller.parts["window_bytes"] = buffers * buf
+            return smaller
+    return c
+
+
+def choose(cands: List[Candidate], budgets: dict, state_dir: Optional[str]) -> Optional[Candidate]:
+    """Marks each candidate as fitting the budgets or not (with why) and returns the chosen one, or None."""
+    for c in cands:
+        over = [f"{k} {_gb(need)} > {_gb(have)}" for k, need, have in
+                (("host", c.host_peak, budgets["host_memory"]), ("GPU", c.device_peak, budgets["gpu_memory"]),
+                 ("disk", c.disk_bytes, budgets["disk"])) if have is not None and need > have]
+        if c.home.startswith("disk") and state_dir is None:
+            over.append("no state_dir given")
+        c.fits, c.why = not over, ("refused: " + ", ".join(over)) if over else ""
+    fitting = [c for c in cands if c.fits]
+    if not fitting:
+        return None
+    fastest = min(fitting, key=lambda c: c.step_seconds)
+    plain = next((c for c in fitting if c.home == "torch"), None)
+    chosen = plain if plain is not None and fastest.step_seconds >= plain.step_seconds * (1 - PREFER_PLAIN_WITHIN) \
+        else fastest
+    for c in fitting:
+        slower = c.step_seconds / chosen.step_seconds - 1
+        if c is chosen:
+            c.why = "chosen: " + ("nothing needs offloading" if c.home == "torch" else "the fastest that fits")
+        elif c.home == "torch":
+            c.why = f"fits; {chosen.home} is predicted {-slower:.0%} faster"
+        else:
+            c.why = f"fits, predicted {slower:+.0%} time" + ("; nothing needs offloading" if chosen.home == "torch"
+                                                               else "")
+    for c in cands:
+        if "window_bytes" in c.parts:
+            c.why += f" (disk window shrunk to {c.parts['window_bytes'] / 2**20:.0f} MiB)"
+    return chosen
+
+
+def _no_fit_message(cands: List[Candidate], budgets: dict, state_dir: Optional[str]) -> str:
+    def others_fit(c: Candidate) -> bool:
+        return all(have is None or need <= have for need, have in
+                   ((c.device_peak, budgets["gpu_memory"]), (c.disk_bytes, budgets["disk"])))
+    usable = [c for c in cands if others_fit(c) and (state_dir is not None or not c.home.startswith("disk"))]
+    text = "hipferry.plan: no placement fits: " + "; ".join(f"{c.home} {c.why[len('refused: '):]}" for c in cands)
+    if usable:
+        best = min(usable, key=lambda c: c.host_peak)
+        text += f". The smallest host_memory that works is {_gb(best.host_peak)}, with the state in {best.home}"
+    if state_dir is None:
+        text += "; a state_dir= on a disk would let the state leave RAM (homes disk-float32, disk-8bit)"
+    return text
+
+
+def plan(model: nn.Module, *, batch: Any, optimizer: str = "adamw", gpu_memory: Any = None,
+         host_memory: Any = None, state_dir: Any = None, disk_budget: Any = None, amsgrad: bool = False,
+         loss_fn: Optional[Callable] = None, disk: Optional[DiskOptions] = None, homes: Any = HOMES,
+         refresh: bool = False, verbose: bool = True) -> Plan:
+    """Estimate every home of the optimizer state for training `model` on `batch`,
+    pick the fastest that fits the budgets, and return the Plan (see docs/planner.md).
+
+    batch: what one training step feeds the model (a dict for Hugging Face models, with
+        labels); loss_fn(model, batch) -> scalar tensor where the model returns no .loss.
+    host_memory / gpu_memory / disk_budget: bytes or '24GiB'-style strings the whole
+        process may hold (default: what is available now).
+    state_dir: a folder for the disk homes (they are refused without it).
+    homes: the homes of the state to consider (default all: hipferry.optim.HOMES)."""
+    if optimizer != "adamw":
+        raise ValueError(f"hipferry.plan: optimizer must be 'adamw' (the one planned for), got {optimizer!r}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"hipferry.plan: model must be a torch.nn.Module, got {type(model).__name__}")
+    if batch is None:
+        raise ValueError("hipferry.plan: batch= is required: what one training step feeds the model")
+    budgets = {"host_memory": _check_budget(host_memory, "host_memory"),
+               "gpu_memory": _check_budget(gpu_memory, "gpu_memory"),
+               "disk": _check_budget(disk_budget, "disk_budget")}
+    state_dir = _check_state_dir(state_dir)
+    disk = disk if disk is not None else DiskOptions()
+    if not isinstance(disk, DiskOptions):
+        raise ValueError(f"hipferry.plan: disk must be a hipferry.optim.DiskOptions, got {type(disk).__name__}")
+    disk.check()
+    if isinstance(homes, str) or not all(isinstance(h, str) for h in homes) or not set(homes) <= set(HOMES) \
+            or not homes:
+        raise ValueError(f"hipferry.plan: homes must be a non-empty list of {list(HOMES)}, got {homes!r}")
+    if not isinstance(amsgrad, bool):
+        raise ValueError(f"hipferry.plan: amsgrad must be a bool, got {amsgrad!r}")
+    if not trainable_parameters(model):
+        raise ValueError("hipferry.plan: the model has no trainable parameters (none with requires_grad=True)")
+    progress = (lambda s: print(f"[hipferry.plan] {s}", file=sys.stderr, flush=True)) if verbose else (lambda s: None)
+    device = trainable_parameters(model)[0].device
+    if budgets["host_memory"] is None:
+        budgets["host_memory"] = _available_host() or None
+    if budgets["gpu_memory"] is None and device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budgets["gpu_memory"] = free + torch.cuda.memory_allocated(device)
+    if budgets["disk"] is None and state_dir is not None:
+        os.makedirs(state_dir, exist_ok=True)
+        budgets["disk"] = shutil.disk_usage(state_dir).free
+    elif state_dir is not None:
+        os.makedirs(state_dir, exist_ok=True)
+    held = max(0, rss_bytes())
+    machine = measure_machine(device, state_dir, refresh=refresh, progress=progress)
+    prof = profile_model(model, batch, loss_fn, progress=progress)
+    cands = [_disk_fitted(_estimate(h, prof, machine, held, amsgrad, disk), budgets, prof, machine, held, amsgrad,
+                          disk) for h in HOMES if h in homes]
+    chosen = choose(cands, budgets, state_dir)
+    if chosen is None:
+        raise PlanError(_no_fit_message(cands, budgets, state_dir))
+    result = Plan(cands, chosen, budgets, machine, prof, state_dir, disk)
+    if verbose:
+        print(result.explain(), file=sys.stderr, flush=True)
+    return result
