@@ -42,6 +42,7 @@ run pytest_hf $PY -m pytest -q -rs tests/python/module_offload/test_hf_models.py
 run doctor $PY -m hipferry doctor
 run bench $PY -m hipferry bench transfer pool copy_cast --out "$OUT/bench" --repeats 3 --max-bytes 1073741824
 run bench_optim $PY -m hipferry bench optim --out "$OUT/bench_optim" --repeats 3
+run bench_plan $PY -m hipferry bench plan --device cuda --out "$OUT/bench_plan"
 # accelerate (the layers suite's baseline) must be importable there: put its wheel and its
 # pure-Python dependencies into .whl/ when the machine has no network; else that contender is skipped.
 run bench_offload $PY -m hipferry bench layers activations --out "$OUT/bench_offload" --repeats 3

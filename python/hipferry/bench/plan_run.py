@@ -24,14 +24,17 @@ def run(spec: dict) -> dict:
     import torch
 
     from ..planner import HighWater, plan, rss_bytes
-    model = llama(spec["hidden"], spec["layers"], spec["vocab"], spec["seq"])
+    device = torch.device(spec.get("device", "cpu"))
+    model = llama(spec["hidden"], spec["layers"], spec["vocab"], spec["seq"]).to(device)
     ids = torch.randint(0, spec["vocab"], (spec["batch"], spec["seq"]), generator=torch.Generator().manual_seed(1))
-    batch = {"input_ids": ids, "labels": ids}
+    batch = {"input_ids": ids.to(device), "labels": ids.to(device)}
     held = rss_bytes()
     p = plan(model, batch=batch, state_dir=spec["state_dir"], host_memory=1 << 50, disk_budget=1 << 50,
                       verbose=False)
     opt = p.apply(model, home=spec["home"], lr=1e-4).optimizer
     high = HighWater()  # from RSS now (the plan's pass already left what it leaves)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     times, losses = [], []
     for _ in range(spec["steps"]):
         t0 = time.perf_counter()
@@ -40,11 +43,13 @@ def run(spec: dict) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
-        losses.append(loss.item())
+        losses.append(loss.item())  # (synchronizes a GPU)
     grown, how = high.growth()
+    device_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     peak = high.start + grown
     return {"home": spec["home"], "params": p.profile.numel, "held_bytes": held, "peak_bytes": peak,
-            "measured_growth": peak - held, "measured_by": how, "step_times": times, "losses": losses,
+            "measured_growth": peak - held, "measured_by": how,
+            "device_peak_bytes": device_peak, "step_times": times, "losses": losses,
             "candidates": p.explain(as_dict=True)["candidates"], "fwd_bwd_seconds": p.profile.fwd_bwd_seconds}
 
 

@@ -76,7 +76,8 @@ def plan_suite(ctx: Context) -> SuiteResult:
     steps = 3 if ctx.quick else 5
     ctx.progress("plan", 0, len(sizes) * len(HOMES), "measuring the machine (refresh: this run's own figures)")
     with tempfile.TemporaryDirectory(dir=base, prefix="hipferry-plan-") as folder:
-        measure_machine(torch.device("cpu"), folder, refresh=True)
+        device = torch.device("cuda", torch.cuda.current_device()) if ctx.device == "cuda" else torch.device("cpu")
+        measure_machine(device, folder, refresh=True)
         rows, choice_rows, i = [], [], 0
         for size, (hidden, layers, vocab) in sizes.items():
             runs = {}
@@ -85,7 +86,7 @@ def plan_suite(ctx: Context) -> SuiteResult:
                 ctx.progress("plan", i, len(sizes) * len(HOMES), f"{size}, state {home}: plan, then {steps} steps")
                 state_dir = os.path.join(folder, f"{size}-{home}")
                 out = _child({"hidden": hidden, "layers": layers, "vocab": vocab, "batch": 2, "seq": 128,
-                              "home": home, "state_dir": state_dir, "steps": steps})
+                              "home": home, "state_dir": state_dir, "steps": steps, "device": ctx.device})
                 pred = next(c for c in out["candidates"] if c["home"] == home)
                 measured_step = statistics.median(out["step_times"][1:])
                 growth_pred = pred["host_peak_bytes"] - out["held_bytes"]
@@ -98,6 +99,9 @@ def plan_suite(ctx: Context) -> SuiteResult:
                              "predicted step (s)": pred["step_seconds"], "measured step (s)": measured_step,
                              "time error": time_err, "memory ok": abs(mem_err) <= MEMORY_TOL,
                              "time ok": abs(time_err) <= TIME_TOL})
+                if ctx.device == "cuda":
+                    rows[-1].update({"predicted GPU peak (MB)": pred["device_peak_bytes"] / 1e6,
+                                     "measured GPU peak (MB)": out["device_peak_bytes"] / 1e6})
             choice_rows += _choice_rows(size, runs, folder)
     notes = [f"peak resident growth: {out['measured_by']}, from the RSS before plan() to the peak of the steps; "
              f"step: median of steps 2..{steps} (forward, backward, step, zero_grad), a process per run",
@@ -120,5 +124,6 @@ def plan_suite(ctx: Context) -> SuiteResult:
               "title": "Predicted / measured peak growth - 1", "ylabel": "relative error"}]
     return SuiteResult(rows=rows, columns=["model", "params (M)", "home", "predicted growth (MB)",
                                            "measured growth (MB)", "memory error", "predicted step (s)",
-                                           "measured step (s)", "time error", "memory ok", "time ok"],
+                                           "measured step (s)", "time error", "memory ok", "time ok"]
+                       + (["predicted GPU peak (MB)", "measured GPU peak (MB)"] if ctx.device == "cuda" else []),
                        plots=plots, notes=notes)

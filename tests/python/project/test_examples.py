@@ -1,6 +1,8 @@
 """The examples run end to end (small sizes) and report bit-identical results."""
 import json
+import os
 import pathlib
+import re
 import runpy
 import subprocess
 import sys
@@ -306,3 +308,39 @@ def test_hf_finetune_offload_on_gpu(tmp_path):
 def test_hf_finetune_offload_rejects_bad_arguments(args, named, capsys):
     code, err = run_rejected("hf_finetune_offload.py", ["--device", "cpu", *args], capsys)
     assert code == 2 and named in err, err
+
+
+FIT_ARGS = ["--hidden", "64", "--layers", "2", "--vocab", "256", "--seq", "32", "--steps", "4"]
+
+
+def _run_fit(tmp_path, *args):
+    env = dict(os.environ, HIPFERRY_CACHE_DIR=str(tmp_path.parent / "fit-cache"))  # (the machine measured once)
+    return subprocess.run([sys.executable, str(EXAMPLES / "fit_finetune.py"), *FIT_ARGS, *args], capture_output=True,
+                          text=True, timeout=600, env=env)
+
+
+def test_fit_finetune_plans_trains_and_reports_prediction_beside_measurement(tmp_path):
+    r = _run_fit(tmp_path, "--host-memory", "64GiB", "--json", str(tmp_path / "fit.json"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "->torch" in r.stderr and "chosen: nothing needs offloading" in r.stderr  # everything fits
+    assert "peak host growth (MB)" in r.stdout and "step time (s)" in r.stdout and "OK" in r.stdout
+    s = json.loads((tmp_path / "fit.json").read_text())
+    assert s["plan"]["chosen"] == "torch" and s["losses"][-1] < s["losses"][0]
+
+
+def test_fit_finetune_with_a_budget_only_the_disk_meets(tmp_path):
+    first = _run_fit(tmp_path, "--host-memory", "1000", "--state-dir", str(tmp_path / "a"))
+    m = re.search(r"The smallest host_memory that works is ([0-9.]+) GB, with the state in (\S+)", first.stderr)
+    assert first.returncode == 2 and m, first.stderr[-3000:]
+    assert not os.listdir(tmp_path / "a"), "nothing was written before the refusal"
+    budget = f"{float(m.group(1)) + 0.05:.3f}GB"  # (the process's own RSS moves between runs)
+    r = _run_fit(tmp_path, "--host-memory", budget, "--state-dir", str(tmp_path / "b"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert re.search(r"state home: \S+", r.stdout)
+
+
+@pytest.mark.parametrize("args, named", [(["--host-memory", "lots"], "host_memory"),
+                                         (["--steps", "1"], "--steps"), (["--hidden", "100"], "--hidden")])
+def test_fit_finetune_rejects_bad_arguments(args, named, capsys):
+    code, err = run_rejected("fit_finetune.py", args, capsys)
+    assert code == 2 and named in err
