@@ -60,26 +60,14 @@ def home_cost(home: str, trainable: List[Tuple[int, torch.dtype]], on_gpu: bool,
     slot = 0
     for n, _ in trainable:
         slot += sum(_C._disk_regions(_fmt(home, n), amsgrad, n))
-    return HomeCost(_window_touched(home, trainable, amsgrad, disk), disk_bytes=2 * slot, disk_step_bytes=slot)
+    return HomeCost(_window_bytes(trainable, disk), disk_bytes=2 * slot, disk_step_bytes=slot)
 
 
-def _window_touched(home: str, trainable: List[Tuple[int, torch.dtype]], amsgrad: bool, disk: DiskOptions) -> int:
-    """The pages of DiskStore's window that a step touches: its buffers are sized for
-    the longest chunk in the largest format (DiskStore._ensure_window), each pass (one
-    per format) hands chunk i buffer i % buffers (chunk_pipeline.h), and a chunk
-    touches the pages its own arrays fill."""
+def _window_bytes(trainable: List[Tuple[int, torch.dtype]], disk: DiskOptions) -> int:
+    """DiskStore._ensure_window's window: buffers for the longest chunk in the largest
+    format, as many as fit in window_bytes and no more than the state has chunks. All of
+    it is resident once a step has run (memory_stats()["disk_window_bytes"])."""
     longest = max(min(n, disk.chunk_numel) for n, _ in trainable)
     buf = _C._disk_chunk_buffer_bytes("float32", True, -(-longest // QUANTUM) * QUANTUM)
     chunks = sum(-(-n // disk.chunk_numel) for n, _ in trainable)
-    buffers = max(1, min(disk.window_bytes // buf, chunks))
-    touched = [0] * buffers
-    for fmt in ("float32", "uint8"):
-        i = 0
-        for n, _ in trainable:
-            if _fmt(home, n) != fmt:
-                continue
-            for first in range(0, n, disk.chunk_numel):
-                size = _C._disk_chunk_buffer_bytes(fmt, amsgrad, min(disk.chunk_numel, n - first))
-                touched[i % buffers] = max(touched[i % buffers], size)
-                i += 1
-    return sum(touched)
+    return max(1, min(disk.window_bytes // buf, chunks)) * buf

@@ -17,6 +17,7 @@ from torch import nn
 
 from .. import _C
 from ..optim import HOMES, DiskOptions, home_cost
+from ..optim.disk import QUANTUM
 from ..pool_args import parse_bytes
 from .machine import measure_machine
 from .profile import ModelProfile, profile_model, trainable_parameters
@@ -119,8 +120,9 @@ class Plan:
             opt = torch.optim.AdamW(params, **({"fused": True} if fused else {}), **optimizer_kwargs)
         else:
             dtype = torch.uint8 if home.endswith("8bit") else torch.float32
-            window = next(c for c in self.candidates if c.home == home).parts.get("window_bytes")
-            disk = replace(self.disk, window_bytes=int(window)) if window else self.disk
+            parts = next(c for c in self.candidates if c.home == home).parts
+            disk = replace(self.disk, window_bytes=int(parts["window_bytes"]), chunk_numel=int(parts["chunk_numel"])) \
+                if "window_bytes" in parts else self.disk
             extra = {"state_dir": self.state_dir, "disk": disk} if home.startswith("disk") else {}
             opt = OffloadAdamW(params, state_dtype=dtype, **extra, **optimizer_kwargs)
         return Applied(optimizer=opt, home=home)
@@ -183,17 +185,22 @@ def _estimate(home: str, prof: ModelProfile, machine: dict, held: int, amsgrad: 
 
 def _disk_fitted(c: Candidate, budgets: dict, prof: ModelProfile, machine: dict, held: int, amsgrad: bool,
                  disk: DiskOptions) -> Candidate:
-    """A disk home over the host budget with its window shrunk, down to two chunk
-    buffers, by what it is over (the window is its host memory: disk.window_bytes)."""
+    """A disk home over the host budget with its window shrunk (the window is its host
+    memory): fewer buffers, down to DiskStore's two, then shorter chunks, down to the
+    quantum; the largest window that fits."""
     have = budgets["host_memory"]
     if not c.home.startswith("disk") or have is None or c.host_peak <= have:
         return c
-    buf = _C._disk_chunk_buffer_bytes("float32", True, disk.chunk_numel)
-    for buffers in range(disk.window_bytes // buf - 1, 1, -1):  # (at least two: DiskStore's floor)
-        smaller = _estimate(c.home, prof, machine, held, amsgrad, replace(disk, window_bytes=buffers * buf))
-        if smaller.host_peak <= have:
-            smaller.parts["window_bytes"] = buffers * buf
-            return smaller
+    chunk = disk.chunk_numel
+    while chunk >= QUANTUM:
+        buf = _C._disk_chunk_buffer_bytes("float32", True, chunk)
+        for buffers in range(min(disk.window_bytes // buf, 4096), 1, -1):
+            option = replace(disk, window_bytes=buffers * buf, chunk_numel=chunk)
+            smaller = _estimate(c.home, prof, machine, held, amsgrad, option)
+            if smaller.host_peak <= have:
+                smaller.parts.update(window_bytes=option.window_bytes, chunk_numel=chunk)
+                return smaller
+        chunk = chunk // 2 // QUANTUM * QUANTUM
     return c
 
 
@@ -224,7 +231,8 @@ def choose(cands: List[Candidate], budgets: dict, state_dir: Optional[str]) -> O
                                                                else "")
     for c in cands:
         if "window_bytes" in c.parts:
-            c.why += f" (disk window shrunk to {c.parts['window_bytes'] / 2**20:.0f} MiB)"
+            c.why += (f" (disk window shrunk to {c.parts['window_bytes'] / 2**20:.0f} MiB, chunks of "
+                      f"{c.parts['chunk_numel']} elements)")
     return chosen
 
 
