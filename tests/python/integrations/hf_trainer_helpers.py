@@ -59,3 +59,27 @@ def assert_close_lists(a, b, what, rtol=1e-4, atol=1e-5):
 
 def trainable_state(model):
     return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def tiny_tokenizer():
+    """A word-level tokenizer over the tiny vocabulary (t0 ... t127), built locally (no hub)."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+    vocab = {f"t{i}": i for i in range(128)}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t3")),
+                                   pad_token="t0", bos_token="t1", eos_token="t2", unk_token="t3")
+
+
+def tokenized_dataset():
+    """dataset() as a datasets.Dataset of input_ids (SFTTrainer's pre-tokenized form)."""
+    from datasets import Dataset
+    return Dataset.from_dict({"input_ids": [r["input_ids"].tolist() for r in dataset()]})
+
+
+def sft_config(out_dir: str, **overrides):
+    from trl import SFTConfig
+    kwargs = dict(output_dir=out_dir, use_cpu=True, max_steps=STEPS, per_device_train_batch_size=4,
+                  logging_steps=1, report_to=[], save_strategy="no", seed=0, disable_tqdm=True,
+                  lr_scheduler_type="constant", learning_rate=1e-2, max_grad_norm=0.05, data_seed=0)
+    kwargs.update(overrides)
+    return SFTConfig(**kwargs)
