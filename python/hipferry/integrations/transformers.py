@@ -52,12 +52,17 @@ def unwrap_optimizer(optimizer: Any) -> Any:
     return getattr(optimizer, "optimizer", optimizer) if optimizer is not None else None
 
 
-def check_args(args: Any) -> HipferryOptions:
-    """The options in ``args.optim_args``; ``args.optim`` must name AdamW (it is replaced)."""
+def check_optim_name(args: Any) -> None:
+    """``args.optim`` must name AdamW: OffloadAdamW takes its place."""
     optim = getattr(args.optim, "value", args.optim)
     if optim not in ADAMW_NAMES:
         raise ValueError(f"{API}: TrainingArguments.optim must be one of {', '.join(ADAMW_NAMES)} (OffloadAdamW "
                          f"takes AdamW's place), got {optim!r}")
+
+
+def check_args(args: Any) -> HipferryOptions:
+    """The options in ``args.optim_args``, after check_optim_name."""
+    check_optim_name(args)
     return parse_options(args.optim_args, "TrainingArguments.optim_args")
 
 
@@ -149,4 +154,4 @@ class HipferryTrainer(HipferryTrainerMixin, Trainer):
         self.hipferry_setup()
 
 
-__all__ = ["HipferryTrainer", "HipferryTrainerMixin", "check_args", "unwrap_optimizer"]
+__all__ = ["HipferryTrainer", "HipferryTrainerMixin", "check_args", "check_optim_name", "unwrap_optimizer"]
