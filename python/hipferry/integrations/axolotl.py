@@ -5,8 +5,8 @@
     optimizer: adamw_torch          # replaced by OffloadAdamW (lr, betas, eps, weight_decay kept)
     hipferry_state: host8           # host | host8 | disk | disk8
     hipferry_overlap: backward      # none | backward
-    # hipferry_state_dir: /nvme/run1   (disk, disk8)   hipferry_step_on, hipferry_skip_nonfinite,
-    # hipferry_disk_window, hipferry_clip: as the optim_args keys of hipferry.integrations.options
+    # hipferry_state_dir: /nvme/run1   (disk, disk8); also hipferry_step_on, hipferry_skip_nonfinite,
+    # hipferry_disk_window, hipferry_min_offload_numel, hipferry_clip: the keys of .options
 
 ``HipferryArgs`` (``get_input_args``) adds those keys to Axolotl's pydantic
 config; a bad value fails config validation, naming the key, before a model
@@ -52,7 +52,8 @@ except ImportError:  # axolotl missing, or its own imports fail: the interface, 
             return None
 
 PREFIX = "hipferry_"
-CONFIG_KEYS = ("state", "state_dir", "disk_window", "overlap", "step_on", "skip_nonfinite", "clip")
+CONFIG_KEYS = ("state", "state_dir", "disk_window", "overlap", "step_on", "skip_nonfinite", "min_offload_numel",
+               "clip")
 
 
 class HipferryArgs(BaseModel):
@@ -63,6 +64,7 @@ class HipferryArgs(BaseModel):
     hipferry_overlap: Optional[str] = None
     hipferry_step_on: Optional[str] = None
     hipferry_skip_nonfinite: Optional[bool] = None
+    hipferry_min_offload_numel: Optional[int] = None
     hipferry_clip: Optional[str] = None
 
     @model_validator(mode="after")

@@ -13,6 +13,7 @@ unknown key or a bad value names the key and what was expected.
 | ``overlap`` | ``none``, ``backward`` | ``none`` | ``overlap`` |
 | ``step_on`` | ``auto``, ``cpu``, ``gpu`` | ``auto`` | ``step_on`` |
 | ``skip_nonfinite`` | ``true``, ``false`` | ``false`` | ``skip_nonfinite`` |
+| ``min_offload_numel`` | int >= 0 | 65536 | ``min_offload_numel`` (smaller GPU parameters step on the GPU) |
 | ``clip`` | ``hipferry``, ``accelerate`` | ``hipferry`` | who clips (see transformers.py) |
 | ``activations`` | ``none``, ``hipferry`` | ``none`` | SFTTrainer only: ``offload_activations`` |
 | ``activations_min_bytes`` | bytes | 1 MiB | ``offload_activations(min_bytes)`` |
@@ -35,6 +36,7 @@ CHOICES = {
 }
 BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 BYTES = ("disk_window", "activations_min_bytes")
+COUNTS = ("min_offload_numel",)
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,7 @@ class HipferryOptions:
     overlap: str = "none"
     step_on: str = "auto"
     skip_nonfinite: bool = False
+    min_offload_numel: int = 65536
     clip: str = "hipferry"
     activations: str = "none"
     activations_min_bytes: int = 1 << 20
@@ -65,6 +68,8 @@ def _expected(key: str) -> str:
         return "a byte count (an int or a size like '64MiB')"
     if key == "skip_nonfinite":
         return "true or false"
+    if key in COUNTS:
+        return "an int >= 0"
     return "a folder path"
 
 
@@ -85,6 +90,13 @@ def _value(key: str, raw: Any, where: str) -> Any:
         if value <= 0:
             raise bad
         return value
+    if key in COUNTS:
+        text = raw.strip() if isinstance(raw, str) else raw
+        if isinstance(text, str) and text.isdigit():
+            return int(text)
+        if isinstance(text, bool) or not isinstance(text, int) or text < 0:
+            raise bad
+        return text
     if key == "skip_nonfinite":
         if isinstance(raw, bool):
             return raw
@@ -150,7 +162,7 @@ def optimizer_kwargs(o: HipferryOptions, resume: bool = False) -> Dict[str, Any]
     from ..optim import DiskOptions
     kwargs: Dict[str, Any] = dict(state_dtype=torch.uint8 if o.state in ("host8", "disk8") else torch.float32,
                                   overlap=None if o.overlap == "none" else o.overlap, step_on=o.step_on,
-                                  skip_nonfinite=o.skip_nonfinite)
+                                  skip_nonfinite=o.skip_nonfinite, min_offload_numel=o.min_offload_numel)
     if o.on_disk:
         kwargs.update(state_dir=o.state_dir, disk=DiskOptions(window_bytes=o.disk_window, resume=resume))
     return kwargs

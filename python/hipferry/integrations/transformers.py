@@ -75,8 +75,15 @@ class HipferryTrainerMixin:
     _hipferry_resuming = False
     _hipferry_reopened = False
 
+    def hipferry_precheck(self, args: tuple, kwargs: dict) -> None:
+        """Checks the options of the ``args`` given to __init__ before Trainer's __init__ runs,
+        so bad ones are refused before anything is built (None: Trainer's defaults, checked after)."""
+        given = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if given is not None and self.hipferry_options is None:
+            self.hipferry_options = check_args(given)
+
     def hipferry_setup(self) -> None:
-        """Reads and checks the options: call at the end of __init__ (errors before anything is built)."""
+        """Reads and checks the options: call at the end of __init__."""
         if self.hipferry_options is None:
             self.hipferry_options = check_args(self.args)
 
@@ -150,6 +157,7 @@ class HipferryTrainer(HipferryTrainerMixin, Trainer):
     """``transformers.Trainer`` training with OffloadAdamW; options in ``args.optim_args``."""
 
     def __init__(self, *args, **kwargs):
+        self.hipferry_precheck(args, kwargs)
         super().__init__(*args, **kwargs)
         self.hipferry_setup()
 

@@ -31,6 +31,7 @@ class HipferrySFTTrainer(HipferryTrainerMixin, SFTTrainer):
     hipferry_activations: Optional[offload_activations] = None
 
     def __init__(self, *args, **kwargs):
+        self.hipferry_precheck(args, kwargs)
         super().__init__(*args, **kwargs)
         self.hipferry_setup()
         if self.hipferry_options.activations == "hipferry":

@@ -14,6 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
+from conftest import requires_gpu  # noqa: E402
 from hf_trainer_helpers import (assert_close_lists, dataset, logged, tiny_llama, train, trainable_state,  # noqa: E402
                                 training_args, with_lora)
 
@@ -58,6 +59,25 @@ def test_losses_and_grad_norm_equal_torch_adamw(tmp_path, clip_calls, max_grad_n
         assert min(norms) > 10 * max_grad_norm, "clipping should fire in every step of this test"
     assert_close_lists(norms, logged(ref, "grad_norm"), "grad_norm")
     assert_close_lists(logged(ours, "loss"), logged(ref, "loss"), "loss")
+
+
+@requires_gpu
+@pytest.mark.parametrize("overlap", ["none", "backward"])
+def test_on_a_gpu_the_clip_scales_the_host_copies(tmp_path, clip_calls, overlap):
+    """A GPU model: parameters of 1024+ elements have host state (min_offload_numel), their
+    gradients are copied to the host in backward and the clip scales those copies; losses and
+    grad norms equal torch's AdamW on the GPU (GPU tolerances: reduction orders differ)."""
+    ref = reference(tmp_path, tiny_llama(), use_cpu=False)
+    optim_args = f"min_offload_numel=1024,overlap={overlap}"
+    ours = train(HipferryTrainer, tiny_llama(), training_args(str(tmp_path / "ours"), use_cpu=False,
+                                                              optim_args=optim_args))
+    opt = ours.hipferry_optimizer()
+    stats = opt.memory_stats()
+    assert opt.step_on == "cpu" and stats["host_state_bytes"] > 0 and stats["grad_buffer_bytes"] > 0, stats
+    assert next(ours.model.parameters()).is_cuda
+    assert len(clip_calls["hipferry"]) == 4 and len(clip_calls["accelerate"]) == 4  # the reference's 4
+    assert_close_lists(logged(ours, "grad_norm"), logged(ref, "grad_norm"), "grad_norm", rtol=1e-3, atol=1e-4)
+    assert_close_lists(logged(ours, "loss"), logged(ref, "loss"), "loss", rtol=1e-3, atol=1e-4)
 
 
 def test_lora_with_accumulation_and_overlap(tmp_path, clip_calls):
@@ -120,11 +140,13 @@ def test_arguments_stay_json_serializable(tmp_path):
     ("overlap=forward", None, r"option 'overlap' must be one of 'none', 'backward'"),
     ("disk_window=lots", None, r"option 'disk_window' must be a byte count"),
     ("state", None, r"'state' is not key=value"),
+    ("min_offload_numel=-1", None, r"option 'min_offload_numel' must be an int >= 0, got '-1'"),
     ("", "sgd", r"TrainingArguments.optim must be one of adamw_torch, adamw_torch_fused"),
 ])
-def test_bad_options_are_refused_before_training(tmp_path, monkeypatch, optim_args, optim, match):
+def test_bad_options_are_refused_before_anything_is_built(tmp_path, monkeypatch, optim_args, optim, match):
     built = []
-    monkeypatch.setattr(OffloadAdamW, "__init__", lambda *a, **k: built.append(1))
+    monkeypatch.setattr(OffloadAdamW, "__init__", lambda *a, **k: built.append("optimizer"))
+    monkeypatch.setattr(transformers.Trainer, "__init__", lambda *a, **k: built.append("trainer"))
     extra = {"optim": optim} if optim else {}
     args = training_args(str(tmp_path), optim_args=optim_args, **extra)
     with pytest.raises(ValueError, match=match):

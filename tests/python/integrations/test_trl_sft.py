@@ -46,7 +46,8 @@ def test_sft_losses_equal_trl_without_offloading(tmp_path, optim_args):
 ])
 def test_bad_sft_options_are_refused(tmp_path, monkeypatch, optim_args, match):
     built = []
-    monkeypatch.setattr(OffloadAdamW, "__init__", lambda *a, **k: built.append(1))
+    monkeypatch.setattr(OffloadAdamW, "__init__", lambda *a, **k: built.append("optimizer"))
+    monkeypatch.setattr(trl.SFTTrainer, "__init__", lambda *a, **k: built.append("trainer"))
     with pytest.raises(ValueError, match=match):
         HipferrySFTTrainer(model=tiny_llama(), args=sft_config(str(tmp_path), optim_args=optim_args),
                            train_dataset=tokenized_dataset(), processing_class=tiny_tokenizer())
