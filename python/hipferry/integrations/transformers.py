@@ -14,8 +14,9 @@ Why this route (transformers 5.25):
   no new field, from Python, JSON or YAML alike.
 - ``optimizer_cls_and_kwargs`` would take the class but not the clipping: a
   Trainer calls ``accelerator.clip_grad_norm_(model.parameters(), ...)``,
-  which reads every gradient again after OffloadAdamW's backward hooks copied
-  it to the host, and the copies would be stale. So a small subclass (a mixin,
+  which scales every gradient on the device after OffloadAdamW's backward
+  hooks copied it to the host: the optimizer notices the write and copies
+  each gradient again. So a small subclass (a mixin,
   reused by the TRL and Axolotl entry points) overrides Trainer's own hook
   points, nothing global:
   - ``get_optimizer_cls_and_kwargs``: OffloadAdamW with lr, betas, eps from the
@@ -34,7 +35,6 @@ Why this route (transformers 5.25):
     later steps than the checkpoint).
 Options: hipferry.integrations.options (docs/integrations.md).
 """
-import logging
 import os
 from typing import Any, Optional
 
@@ -43,7 +43,6 @@ from transformers import Trainer
 from ..optim import OffloadAdamW
 from .options import API, HipferryOptions, optimizer_kwargs, parse_options
 
-log = logging.getLogger("hipferry.integrations")
 ADAMW_NAMES = ("adamw_torch", "adamw_torch_fused")
 
 
