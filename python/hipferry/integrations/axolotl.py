@@ -6,7 +6,8 @@
     hipferry_state: host8           # host | host8 | disk | disk8
     hipferry_overlap: backward      # none | backward
     # hipferry_state_dir: /nvme/run1   (disk, disk8); also hipferry_step_on, hipferry_skip_nonfinite,
-    # hipferry_disk_window, hipferry_min_offload_numel, hipferry_clip: the keys of .options
+    # hipferry_disk_window, hipferry_min_offload_numel, hipferry_clip, hipferry_activations,
+    # hipferry_activations_min_bytes: the keys of .options
 
 ``HipferryArgs`` (``get_input_args``) adds those keys to Axolotl's pydantic
 config; a bad value fails config validation, naming the key, before a model
@@ -53,7 +54,7 @@ except ImportError:  # axolotl missing, or its own imports fail: the interface, 
 
 PREFIX = "hipferry_"
 CONFIG_KEYS = ("state", "state_dir", "disk_window", "overlap", "step_on", "skip_nonfinite", "min_offload_numel",
-               "clip")
+               "clip", "activations", "activations_min_bytes")
 
 
 class HipferryArgs(BaseModel):
@@ -66,6 +67,8 @@ class HipferryArgs(BaseModel):
     hipferry_skip_nonfinite: Optional[bool] = None
     hipferry_min_offload_numel: Optional[int] = None
     hipferry_clip: Optional[str] = None
+    hipferry_activations: Optional[str] = None
+    hipferry_activations_min_bytes: Optional[Any] = None
 
     @model_validator(mode="after")
     def _hipferry_options_are_valid(self):
@@ -94,6 +97,7 @@ def adopt(trainer: Any, options: HipferryOptions) -> Any:
             _CLASSES[cls] = type(f"Hipferry{cls.__name__}", (HipferryTrainerMixin, cls), {})
         trainer.__class__ = _CLASSES[cls]
     trainer.hipferry_options = options
+    trainer.hipferry_setup()
     return trainer
 
 

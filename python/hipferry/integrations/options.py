@@ -15,7 +15,7 @@ unknown key or a bad value names the key and what was expected.
 | ``skip_nonfinite`` | ``true``, ``false`` | ``false`` | ``skip_nonfinite`` |
 | ``min_offload_numel`` | int >= 0 | 65536 | ``min_offload_numel`` (smaller GPU parameters step on the GPU) |
 | ``clip`` | ``hipferry``, ``accelerate`` | ``hipferry`` | who clips (see transformers.py) |
-| ``activations`` | ``none``, ``hipferry`` | ``none`` | SFTTrainer only: ``offload_activations`` |
+| ``activations`` | ``none``, ``hipferry`` | ``none`` | ``offload_activations`` around each micro-batch |
 | ``activations_min_bytes`` | bytes | 1 MiB | ``offload_activations(min_bytes)`` |
 """
 import os

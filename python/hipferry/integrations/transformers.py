@@ -29,17 +29,20 @@ Why this route (transformers 5.25):
     ``clip=accelerate``;
   - ``training_step``: micro-batches that do not end an accumulation run under
     ``opt.accumulating()``, so ``overlap=backward`` speculates only on the last;
+    with ``activations=hipferry`` each runs under ``hipferry.offload_activations``;
   - ``train`` / ``_load_optimizer_and_scheduler``: with state on disk, resuming
     reopens the folder (``DiskOptions(resume=True)``), then restores the
     checkpoint's weights and ``optimizer.pt`` over it (the folder may hold
     later steps than the checkpoint).
 Options: hipferry.integrations.options (docs/integrations.md).
 """
+import contextlib
 import os
 from typing import Any, Optional
 
 from transformers import Trainer
 
+from ..module_offload import offload_activations
 from ..optim import OffloadAdamW
 from .options import API, HipferryOptions, optimizer_kwargs, parse_options
 
@@ -71,6 +74,7 @@ class HipferryTrainerMixin:
     otherwise it is read from ``args.optim_args``."""
 
     hipferry_options: Optional[HipferryOptions] = None
+    hipferry_activations: Optional[offload_activations] = None
     _hipferry_resuming = False
     _hipferry_reopened = False
 
@@ -82,9 +86,16 @@ class HipferryTrainerMixin:
             self.hipferry_options = check_args(given)
 
     def hipferry_setup(self) -> None:
-        """Reads and checks the options: call at the end of __init__."""
+        """Reads and checks the options: call at the end of __init__ (or after setting
+        ``hipferry_options``). activations=hipferry: the offload_activations context,
+        entered by training_step, or by TRL's own training_step in place of its context."""
         if self.hipferry_options is None:
             self.hipferry_options = check_args(self.args)
+        o = self.hipferry_options
+        if o.activations == "hipferry" and self.hipferry_activations is None:
+            self.hipferry_activations = offload_activations(min_bytes=o.activations_min_bytes)
+            if hasattr(self, "maybe_activation_offload_context"):  # TRL's trainers enter it in training_step
+                self.maybe_activation_offload_context = self.hipferry_activations
 
     # ------------------------------------------------------------ optimizer
     def get_optimizer_cls_and_kwargs(self, args: Any, model: Any = None):
@@ -130,10 +141,15 @@ class HipferryTrainerMixin:
     # ------------------------------------------------------------ accumulation
     def training_step(self, *args, **kwargs):
         opt = self.hipferry_optimizer()
-        if opt is None or self.accelerator.sync_gradients:
+        accumulating = opt is not None and not self.accelerator.sync_gradients
+        # not the last micro-batch: no speculative step (overlap=backward)
+        with opt.accumulating() if accumulating else contextlib.nullcontext(), self._hipferry_activation_context():
             return super().training_step(*args, **kwargs)
-        with opt.accumulating():  # not the last micro-batch: no speculative step (overlap=backward)
-            return super().training_step(*args, **kwargs)
+
+    def _hipferry_activation_context(self):
+        if self.hipferry_activations is None or hasattr(self, "maybe_activation_offload_context"):
+            return contextlib.nullcontext()  # (none asked, or TRL's training_step enters it)
+        return self.hipferry_activations
 
     # ------------------------------------------------------------ resume
     def train(self, resume_from_checkpoint=None, *args, **kwargs):

@@ -17,27 +17,20 @@ pinned pool and come back ahead of backward. With it, TRL's
 ``activation_offloading`` is not needed (if it is also set, hipferry's context
 is the one used). Its counters: ``trainer.hipferry_activations.stats()``.
 """
-from typing import Optional
-
 from trl import SFTTrainer
 
-from ..module_offload import offload_activations
 from .transformers import HipferryTrainerMixin
 
 
 class HipferrySFTTrainer(HipferryTrainerMixin, SFTTrainer):
-    """``trl.SFTTrainer`` training with OffloadAdamW; options in ``args.optim_args``."""
-
-    hipferry_activations: Optional[offload_activations] = None
+    """``trl.SFTTrainer`` training with OffloadAdamW; options in ``args.optim_args``.
+    (activations=hipferry: HipferryTrainerMixin.hipferry_setup puts the context in
+    ``maybe_activation_offload_context``, which SFTTrainer.training_step enters.)"""
 
     def __init__(self, *args, **kwargs):
         self.hipferry_precheck(args, kwargs)
         super().__init__(*args, **kwargs)
         self.hipferry_setup()
-        if self.hipferry_options.activations == "hipferry":
-            self.hipferry_activations = offload_activations(min_bytes=self.hipferry_options.activations_min_bytes)
-            # SFTTrainer.training_step enters this context around the forward and backward.
-            self.maybe_activation_offload_context = self.hipferry_activations
 
 
 __all__ = ["HipferrySFTTrainer"]
