@@ -131,6 +131,25 @@ def test_resume_continues_as_uninterrupted(tmp_path, state):
         torch.testing.assert_close(got[name], value, msg=lambda m: f"{name}: {m}")
 
 
+def test_an_offload_adamw_passed_in_also_clips_on_the_host(tmp_path, clip_calls):
+    """optimizers=(OffloadAdamW(...), None): Trainer's precedence (the options build nothing),
+    and the clip still goes through it."""
+    model = tiny_llama()
+    opt = OffloadAdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    ours = train(HipferryTrainer, model, training_args(str(tmp_path)), optimizers=(opt, None))
+    assert ours.hipferry_optimizer() is opt and opt.state
+    assert len(clip_calls["hipferry"]) == 4 and not clip_calls["accelerate"]
+
+
+def test_import_hipferry_needs_no_trainer_framework():
+    import subprocess
+    import sys
+    code = ("import sys, hipferry, hipferry.integrations, hipferry.integrations.options; "
+            "print(sorted(m for m in ('transformers', 'trl', 'axolotl', 'peft') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "[]", out
+
+
 def test_arguments_stay_json_serializable(tmp_path):
     args = training_args(str(tmp_path), optim_args="state=host8,overlap=backward")
     assert json.loads(args.to_json_string())["optim_args"] == "state=host8,overlap=backward"
