@@ -77,6 +77,7 @@ deps() {
   fi
   step "python packages"
   quiet_pip $PY -m pip install -q -r requirements-dev.txt
+  quiet_pip $PY -m pip install -q --no-deps -r requirements-nodeps.txt  # (its header says why)
 }
 
 # One wheel, built once (dist/), is what every environment below installs.
