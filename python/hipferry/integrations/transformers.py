@@ -37,13 +37,13 @@ Why this route (transformers 5.25):
 Options: hipferry.integrations.options (docs/integrations.md).
 """
 import contextlib
-import os
 from typing import Any, Optional
 
 from transformers import Trainer
 
 from ..module_offload import offload_activations
 from ..optim import OffloadAdamW
+from ..optim.disk import holds_state
 from .options import API, HipferryOptions, optimizer_kwargs, parse_options
 
 ADAMW_NAMES = ("adamw_torch", "adamw_torch_fused")
@@ -101,7 +101,7 @@ class HipferryTrainerMixin:
     def get_optimizer_cls_and_kwargs(self, args: Any, model: Any = None):
         """Instance method over Trainer's static one: create_optimizer calls it on self."""
         options = self.hipferry_options or check_args(args)
-        reopen = options.on_disk and self._hipferry_resuming and _holds_state(options.state_dir)
+        reopen = options.on_disk and self._hipferry_resuming and holds_state(options.state_dir)
         self._hipferry_reopened = reopen
         kwargs = dict(lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
                       **optimizer_kwargs(options, resume=reopen))
@@ -162,10 +162,6 @@ class HipferryTrainerMixin:
             # Its weights first, then optimizer.pt (whose load takes the master from the parameters).
             self._load_from_checkpoint(checkpoint)
         return super()._load_optimizer_and_scheduler(checkpoint)
-
-
-def _holds_state(state_dir: str) -> bool:
-    return os.path.exists(os.path.join(state_dir, "journal"))
 
 
 class HipferryTrainer(HipferryTrainerMixin, Trainer):

@@ -11,6 +11,7 @@
 - raw_io.py: the disk's raw sequential speed through the same I/O queue.
 """
 from .options import QUANTUM, DiskOptions
+from .journal import holds_state
 from .raw_io import DEPTH, REQUEST, RawIo
 
-__all__ = ["DiskOptions", "QUANTUM", "RawIo", "DEPTH", "REQUEST"]
+__all__ = ["DiskOptions", "QUANTUM", "RawIo", "DEPTH", "REQUEST", "holds_state"]

@@ -106,3 +106,8 @@ class FolderLock:
         if self.fd >= 0:
             os.close(self.fd)  # (closing drops the flock)
             self.fd = -1
+
+
+def holds_state(folder: str) -> bool:
+    """Whether `folder` holds optimizer state to resume from (DiskOptions(resume=True))."""
+    return Journal(folder).exists()
