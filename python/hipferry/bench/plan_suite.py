@@ -34,12 +34,17 @@ def _child(spec: dict) -> dict:
 
 
 def _budgets(runs: dict) -> list:
-    """Host budgets that separate the homes: all fit; float32 in RAM does not; only the disk fits."""
-    pred = {h: r["predicted"]["host_peak_bytes"] for h, r in runs.items()}
-    ample = int(max(pred.values()) * 1.2)
-    no_f32 = (max(pred["host-8bit"], pred["disk-float32"]) + min(pred["torch"], pred["host-float32"])) // 2
-    disk_only = (max(pred["disk-float32"], pred["disk-8bit"]) + pred["host-8bit"]) // 2
-    return [("ample", ample), ("no float32 in RAM", no_f32), ("disk only", disk_only)]
+    """Host budgets that separate the homes: all fit; float32 in RAM does not; only the
+    disk fits (each where the homes' needs, peak plus margin, allow it)."""
+    need = {h: r["predicted"]["host_peak_bytes"] + r["predicted"]["host_margin_bytes"] for h, r in runs.items()}
+    out = [("ample", int(max(need.values()) * 1.2))]
+    ram_f32, rest = min(need["torch"], need["host-float32"]), max(need["host-8bit"], need["disk-float32"])
+    if rest < ram_f32:
+        out.append(("no float32 in RAM", (rest + ram_f32) // 2))
+    disk = max(need["disk-float32"], need["disk-8bit"])
+    if disk < need["host-8bit"]:
+        out.append(("disk only", (disk + need["host-8bit"]) // 2))
+    return out
 
 
 def _choice_rows(size: str, runs: dict, state_dir: str) -> list:
@@ -48,7 +53,8 @@ def _choice_rows(size: str, runs: dict, state_dir: str) -> list:
     for budget_name, host in _budgets(runs):
         for family, homes in FAMILIES.items():
             cands = [Candidate(h, r["predicted"]["host_peak_bytes"], 0, r["predicted"]["disk_bytes"],
-                               r["predicted"]["step_seconds"]) for h, r in runs.items() if homes is None or h in homes]
+                               r["predicted"]["step_seconds"], host_margin=r["predicted"]["host_margin_bytes"])
+                     for h, r in runs.items() if homes is None or h in homes]
             chosen = choose(cands, {"host_memory": host, "gpu_memory": None, "disk": None}, state_dir)
             measured = {h: runs[h]["measured_step"] for h in (c.home for c in cands if c.fits)}
             row = {"model": size, "host budget": f"{budget_name} ({host / 1e9:.2f} GB)", "homes": family,

