@@ -57,26 +57,31 @@ def triad_gbps(numel: int = 32 << 20, repeats: int = 3) -> float:
     return 12 * numel / _best(lambda: torch.add(b, c, alpha=0.5, out=a), repeats) / 1e9
 
 
-def step_seconds_per_param(home: str, repeats: int = 3) -> float:
+def step_seconds_per_param(home: str, repeats: int = 3, state_dir: Optional[str] = None,
+                           numel: int = _STEP_NUMEL) -> float:
     """One AdamW step over 16 M float32 parameters in 4 tensors, with the state in `home`
-    ('torch', 'host-float32', 'host-8bit'), best of `repeats` after a warm-up step."""
+    ('torch', 'host-float32', 'host-8bit'; 'disk-float32', 'disk-8bit' in `state_dir`),
+    best of `repeats` after a warm-up step."""
     from ..optim import OffloadAdamW
-    params = [torch.nn.Parameter(torch.randn(_STEP_NUMEL)) for _ in range(4)]
+    params = [torch.nn.Parameter(torch.randn(numel)) for _ in range(4)]
     for p in params:
-        p.grad = torch.randn(_STEP_NUMEL) * 1e-3
+        p.grad = torch.randn(numel) * 1e-3
     if home == "torch":
         opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
     else:
-        opt = OffloadAdamW(params, lr=1e-4, state_dtype=torch.uint8 if home == "host-8bit" else torch.float32)
+        extra = {"state_dir": state_dir} if home.startswith("disk") else {}
+        opt = OffloadAdamW(params, lr=1e-4, state_dtype=torch.uint8 if home.endswith("8bit") else torch.float32,
+                           **extra)
     opt.step()
     seconds = _best(opt.step, repeats)
     del opt
-    return seconds / (4 * _STEP_NUMEL)
+    return seconds / (4 * numel)
 
 
-def disk_speeds(folder: str, nbytes: int = _DISK_BYTES, repeats: int = 2) -> dict:
+def disk_speeds(folder: str, nbytes: int = _DISK_BYTES, repeats: int = 2, step_numel: int = _STEP_NUMEL) -> dict:
     """Sequential write (with its flush) and read of `nbytes` in `folder`, by the
-    optimizer's own I/O queue, best of `repeats`; and one flush's latency."""
+    optimizer's own I/O queue, best of `repeats`; one flush's latency; and the AdamW
+    step with the state in files there, float32 and 8-bit."""
     with tempfile.TemporaryDirectory(dir=folder, prefix=".hipferry-speed-") as tmp:
         io = RawIo(os.path.join(tmp, "speed.dat"), nbytes)
         try:
@@ -86,8 +91,10 @@ def disk_speeds(folder: str, nbytes: int = _DISK_BYTES, repeats: int = 2) -> dic
             direct = io.direct
         finally:
             io.close()
+        steps = {f"step_s_per_param[{home}]": step_seconds_per_param(home, repeats, os.path.join(tmp, home), step_numel)
+                 for home in ("disk-float32", "disk-8bit")}
     return {"disk_read_gbps": nbytes / read / 1e9, "disk_write_gbps": nbytes / write / 1e9,
-            "disk_flush_seconds": flush, "disk_direct_io": direct}
+            "disk_flush_seconds": flush, "disk_direct_io": direct, **steps}
 
 
 def _filesystem_key(folder: str) -> str:

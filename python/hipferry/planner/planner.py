@@ -174,18 +174,18 @@ def _estimate(home: str, prof: ModelProfile, machine: dict, held: int, amsgrad: 
     on_gpu = prof.device.type == "cuda"
     cost = home_cost(home, prof.trainable, on_gpu, amsgrad, disk)
     n = prof.numel
-    speed_key = home if home in ("torch", "host-float32", "host-8bit") else "host-" + home.split("-")[1]
-    step = n * machine[f"step_s_per_param[{speed_key}]"]
+    # A disk home without a state_dir (refused in choose) is shown at its RAM twin's speed.
+    key = f"step_s_per_param[{home}]"
+    step = n * machine[key if key in machine else f"step_s_per_param[host-{home.split('-')[1]}]"]
     parts = {"fwd_bwd": prof.fwd_bwd_seconds, "state_step": step}
     if on_gpu and home != "torch":  # gradients down and parameters up, beside the host step
         link = sum(c * 4 for c, _ in prof.trainable) / (min(machine["link_h2d_gbps"], machine["link_d2h_gbps"]) * 1e9)
         parts["link"] = link
         step = max(step, link)
-    if home.startswith("disk") and "disk_read_gbps" in machine:  # (without a state_dir: refused in choose)
+    if home.startswith("disk") and "disk_read_gbps" in machine:  # the I/O alone, for the table
         io = cost.disk_step_bytes / (machine["disk_read_gbps"] * 1e9) + \
             cost.disk_step_bytes / (machine["disk_write_gbps"] * 1e9) + 2 * machine["disk_flush_seconds"]
         parts["disk_io"] = io
-        step = max(step, io)
     host = held + prof.pass_host_bytes + (cost.resident_bytes if cost.where == "host" else 0)
     device = (prof.pass_device_bytes + (cost.resident_bytes if cost.where == "device" else 0)
               + (torch.cuda.memory_allocated(prof.device) if on_gpu else 0))
@@ -197,21 +197,22 @@ def _disk_fitted(c: Candidate, budgets: dict, prof: ModelProfile, machine: dict,
                  disk: DiskOptions) -> Candidate:
     """A disk home over the host budget with its window shrunk (the window is its host
     memory): fewer buffers, down to DiskStore's two, then shorter chunks, down to the
-    quantum; the largest window that fits."""
+    quantum; the largest window that fits, else the smallest (so that a refusal names
+    the least this home needs)."""
     have = budgets["host_memory"]
     if not c.home.startswith("disk") or have is None or c.host_need <= have:
         return c
-    chunk = disk.chunk_numel
+    chunk, smaller = disk.chunk_numel, c
     while chunk >= QUANTUM:
         buf = _C._disk_chunk_buffer_bytes("float32", True, chunk)
         for buffers in range(min(disk.window_bytes // buf, 4096), 1, -1):
             option = replace(disk, window_bytes=buffers * buf, chunk_numel=chunk)
             smaller = _estimate(c.home, prof, machine, held, amsgrad, option)
+            smaller.parts.update(window_bytes=option.window_bytes, chunk_numel=chunk)
             if smaller.host_need <= have:
-                smaller.parts.update(window_bytes=option.window_bytes, chunk_numel=chunk)
                 return smaller
         chunk = chunk // 2 // QUANTUM * QUANTUM
-    return c
+    return smaller
 
 
 def choose(cands: List[Candidate], budgets: dict, state_dir: Optional[str]) -> Optional[Candidate]:

@@ -13,7 +13,8 @@ from hipferry.planner import planner as planner_mod
 
 MB = 1 << 20
 FAKE_MACHINE = {"dram_triad_gbps": 20.0, "step_s_per_param[torch]": 1.0e-9, "step_s_per_param[host-float32]": 1.0e-9,
-                "step_s_per_param[host-8bit]": 2.0e-9, "disk_read_gbps": 1.0, "disk_write_gbps": 1.0,
+                "step_s_per_param[host-8bit]": 2.0e-9, "step_s_per_param[disk-float32]": 6.0e-9,
+                "step_s_per_param[disk-8bit]": 4.0e-9, "disk_read_gbps": 1.0, "disk_write_gbps": 1.0,
                 "disk_flush_seconds": 0.002, "disk_direct_io": True}
 
 

@@ -78,8 +78,9 @@ def test_the_machine_is_measured_once_and_cached(tmp_path, monkeypatch):
 
 
 def test_disk_speeds_are_measured_in_the_folder_and_leave_nothing(tmp_path):
-    speeds = machine.disk_speeds(str(tmp_path), nbytes=8 << 20, repeats=1)
+    speeds = machine.disk_speeds(str(tmp_path), nbytes=8 << 20, repeats=1, step_numel=1 << 18)
     assert speeds["disk_read_gbps"] > 0 and speeds["disk_write_gbps"] > 0 and speeds["disk_flush_seconds"] > 0
+    assert speeds["step_s_per_param[disk-float32]"] > 0 and speeds["step_s_per_param[disk-8bit]"] > 0
     assert os.listdir(tmp_path) == []
 
 
