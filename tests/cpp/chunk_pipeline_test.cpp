@@ -11,12 +11,14 @@
 
 #include "csrc/core/disk/chunk_pipeline.h"
 #include "tests/cpp/fake_io_backend.h"
+#include "tests/cpp/seeds.h"
 
 namespace hipferry::disk {
 namespace {
 
 using fake::FakeIoBackend;
 using fake::FakeIoConfig;
+using test_util::for_each_seed;
 using Bytes = std::vector<unsigned char>;
 
 struct Store {
@@ -129,9 +131,7 @@ std::size_t random_request_bytes(std::mt19937_64& rng) {
 }
 
 TEST(ChunkPipeline, EveryChunkComputedInOrderAndWritten) {
-  for (std::uint64_t seed = 0; seed < 300; ++seed) {
-    SCOPED_TRACE(seed);
-    std::mt19937_64 rng(seed);
+  for_each_seed(300, [&](std::uint64_t seed, std::mt19937_64& rng) {
     FakeIoBackend fake(random_config(seed, rng));
     const std::size_t count = rng() % 13, window = 1 + rng() % 4;
     Store store(fake, count, rng);
@@ -145,7 +145,7 @@ TEST(ChunkPipeline, EveryChunkComputedInOrderAndWritten) {
     for (std::size_t c = 0; c < count; ++c) EXPECT_EQ(store.state(fake, c), 1) << "chunk " << c;
     EXPECT_EQ(fake.in_flight(), 0u);
     EXPECT_EQ(h.queue.pending(), 0u);
-  }
+  });
 }
 
 // With a backend that keeps up, compute(i) runs while the reads of every
@@ -183,9 +183,7 @@ TEST(ChunkPipeline, ReadsAheadAsFarAsTheWindowAllows) {
 // files, chunk written() is not (whole), chunks from computed() on are untouched.
 TEST(ChunkPipeline, AnIoFailureMidwayLeavesExactlyTheWrittenChunks) {
   int failures = 0;
-  for (std::uint64_t seed = 0; seed < 300; ++seed) {
-    SCOPED_TRACE(seed);
-    std::mt19937_64 rng(seed);
+  for_each_seed(300, [&](std::uint64_t seed, std::mt19937_64& rng) {
     FakeIoConfig config = random_config(seed, rng);
     config.fail_request = static_cast<std::int64_t>(rng() % 40);
     FakeIoBackend fake(config);
@@ -195,7 +193,7 @@ TEST(ChunkPipeline, AnIoFailureMidwayLeavesExactlyTheWrittenChunks) {
     try {
       h.run(count);
       EXPECT_LE(fake.records().size(), static_cast<std::size_t>(config.fail_request));
-      continue;
+      return;
     } catch (const IoFailure& e) {
       ++failures;
       EXPECT_EQ(fake.in_flight(), 0u);
@@ -211,16 +209,14 @@ TEST(ChunkPipeline, AnIoFailureMidwayLeavesExactlyTheWrittenChunks) {
       else if (c == h.pipe.written()) EXPECT_NE(state, 1) << "chunk " << c;
       if (c >= h.pipe.computed()) EXPECT_EQ(state, 0) << "chunk " << c;
     }
-  }
+  });
   EXPECT_GT(failures, 100);
 }
 
 // compute(k) throws: nothing new is submitted, the requests in flight finish,
 // the same exception comes back, and the queue serves the next pass.
 TEST(ChunkPipeline, AComputeThatThrowsDrainsAndRethrows) {
-  for (std::uint64_t seed = 0; seed < 200; ++seed) {
-    SCOPED_TRACE(seed);
-    std::mt19937_64 rng(seed);
+  for_each_seed(200, [&](std::uint64_t seed, std::mt19937_64& rng) {
     FakeIoBackend fake(random_config(seed, rng));
     const std::size_t count = 1 + rng() % 12, window = 1 + rng() % 4;
     Store store(fake, count, rng);
@@ -247,7 +243,7 @@ TEST(ChunkPipeline, AComputeThatThrowsDrainsAndRethrows) {
                [&](std::size_t, void*) { ++seen; });
     EXPECT_EQ(seen, count);
     EXPECT_EQ(h.pipe.written(), count);
-  }
+  });
 }
 
 TEST(ChunkPipeline, AWriteOnlyPassFillsTheFiles) {

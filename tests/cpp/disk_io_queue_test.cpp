@@ -13,12 +13,14 @@
 
 #include "csrc/core/disk/io_queue.h"
 #include "tests/cpp/fake_io_backend.h"
+#include "tests/cpp/seeds.h"
 
 namespace hipferry::disk {
 namespace {
 
 using fake::FakeIoBackend;
 using fake::FakeIoConfig;
+using test_util::for_each_seed;
 using Bytes = std::vector<unsigned char>;
 
 constexpr std::size_t kFileBytes = 1 << 16;
@@ -107,9 +109,7 @@ void poll_until_idle(IoQueue& q, std::vector<std::uint64_t>* done) {
 }
 
 TEST(IoQueue, EveryByteLandsUnderAdversarialBackends) {
-  for (std::uint64_t seed = 0; seed < 300; ++seed) {
-    SCOPED_TRACE(seed);
-    std::mt19937_64 rng(seed);
+  for_each_seed(300, [&](std::uint64_t seed, std::mt19937_64& rng) {
     const FakeIoConfig config = random_config(seed, rng);
     FakeIoBackend fake(config);
     Scenario s(fake, rng);
@@ -136,15 +136,13 @@ TEST(IoQueue, EveryByteLandsUnderAdversarialBackends) {
     EXPECT_LE(c.max_in_flight, config.depth);
     if (config.short_fraction > 0) EXPECT_GE(c.requests, c.short_transfers);
     for (const auto& rec : fake.records()) EXPECT_LE(rec.request.bytes, request_bytes);
-  }
+  });
 }
 
 // Without short transfers, each transfer is cut into request_bytes pieces,
 // the last one shorter, covering it exactly once.
 TEST(IoQueue, TransfersSplitIntoRequestBytesPieces) {
-  for (std::uint64_t seed = 0; seed < 200; ++seed) {
-    SCOPED_TRACE(seed);
-    std::mt19937_64 rng(seed);
+  for_each_seed(200, [&](std::uint64_t seed, std::mt19937_64& rng) {
     FakeIoConfig config = random_config(seed, rng);
     config.short_fraction = 0;
     FakeIoBackend fake(config);
@@ -165,7 +163,7 @@ TEST(IoQueue, TransfersSplitIntoRequestBytesPieces) {
       }
       EXPECT_EQ(at, x.offset + x.buffer.size());
     }
-  }
+  });
 }
 
 // The k-th request fails: the error names the operation, the file, the
@@ -173,9 +171,7 @@ TEST(IoQueue, TransfersSplitIntoRequestBytesPieces) {
 // nothing submitted after it; the queue stays dead.
 TEST(IoQueue, FailureNamesFileAndOffsetAndDrainsFirst) {
   int failures = 0;
-  for (std::uint64_t seed = 0; seed < 200; ++seed) {
-    SCOPED_TRACE(seed);
-    std::mt19937_64 rng(seed);
+  for_each_seed(200, [&](std::uint64_t seed, std::mt19937_64& rng) {
     FakeIoConfig config = random_config(seed, rng);
     config.fail_request = static_cast<std::int64_t>(rng() % 6);
     FakeIoBackend fake(config);
@@ -198,7 +194,7 @@ TEST(IoQueue, FailureNamesFileAndOffsetAndDrainsFirst) {
       EXPECT_EQ(e.offset, r.offset);
       EXPECT_EQ(e.error, EIO);
     }
-    if (fake.records().size() <= static_cast<std::size_t>(config.fail_request)) continue;  // too few requests
+    if (fake.records().size() <= static_cast<std::size_t>(config.fail_request)) return;  // too few requests
     ASSERT_FALSE(message.empty()) << "the failure was not reported";
     ++failures;
     EXPECT_EQ(fake.submits_after_failure(), 0u);
@@ -213,7 +209,7 @@ TEST(IoQueue, FailureNamesFileAndOffsetAndDrainsFirst) {
     Bytes b(10);
     EXPECT_THROW(q.read(s.src, 0, b.data(), b.size(), 99), IoFailure);
     EXPECT_EQ(fake.records().size(), submitted);
-  }
+  });
   EXPECT_GT(failures, 100);  // most seeds have more than 6 requests
 }
 
