@@ -18,7 +18,6 @@ namespace {
 
 using fake::FakeIoBackend;
 using fake::FakeIoConfig;
-using test_util::for_each_seed;
 using Bytes = std::vector<unsigned char>;
 
 struct Store {

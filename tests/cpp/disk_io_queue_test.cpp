@@ -20,7 +20,6 @@ namespace {
 
 using fake::FakeIoBackend;
 using fake::FakeIoConfig;
-using test_util::for_each_seed;
 using Bytes = std::vector<unsigned char>;
 
 constexpr std::size_t kFileBytes = 1 << 16;

@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <random>
 
-namespace hipferry::test_util {
+namespace hipferry {
 
 // body(seed, rng) for each seed in [0, count), under SCOPED_TRACE(seed), with rng seeded by it.
 // A fatal failure (ASSERT_*) ends the loop, as it ends a test; returning from body goes on to the next seed.
@@ -20,4 +20,4 @@ void for_each_seed(std::uint64_t count, Body body) {
   }
 }
 
-}  // namespace hipferry::test_util
+}  // namespace hipferry
