@@ -115,11 +115,7 @@ struct Harness {
 };
 
 FakeIoConfig random_config(std::uint64_t seed, std::mt19937_64& rng) {
-  FakeIoConfig c;
-  c.seed = seed;
-  c.depth = 1 + rng() % 8;
-  c.shuffle = rng() % 2;
-  c.partial_reap = (rng() % 2) ? 0.6 : 0;
+  FakeIoConfig c = fake::random_config(seed, rng, 0.6);
   c.short_fraction = (rng() % 2) ? 0.3 : 0;
   return c;
 }
@@ -183,8 +179,7 @@ TEST(ChunkPipeline, ReadsAheadAsFarAsTheWindowAllows) {
 TEST(ChunkPipeline, AnIoFailureMidwayLeavesExactlyTheWrittenChunks) {
   int failures = 0;
   for_each_seed(300, [&](std::uint64_t seed, std::mt19937_64& rng) {
-    FakeIoConfig config = random_config(seed, rng);
-    config.fail_request = static_cast<std::int64_t>(rng() % 40);
+    const FakeIoConfig config = fake::failing_one_request(random_config(seed, rng), rng, 40);
     FakeIoBackend fake(config);
     const std::size_t count = 1 + rng() % 12, window = 1 + rng() % 4;
     Store store(fake, count, rng);

@@ -31,11 +31,7 @@ Bytes random_bytes(std::size_t n, std::mt19937_64& rng) {
 }
 
 FakeIoConfig random_config(std::uint64_t seed, std::mt19937_64& rng) {
-  FakeIoConfig c;
-  c.seed = seed;
-  c.depth = 1 + rng() % 8;
-  c.shuffle = rng() % 2;
-  c.partial_reap = (rng() % 2) ? 0.5 : 0;
+  FakeIoConfig c = fake::random_config(seed, rng, 0.5);
   c.short_fraction = (seed % 3 == 0) ? 0 : 0.3;
   return c;
 }
@@ -171,8 +167,7 @@ TEST(IoQueue, TransfersSplitIntoRequestBytesPieces) {
 TEST(IoQueue, FailureNamesFileAndOffsetAndDrainsFirst) {
   int failures = 0;
   for_each_seed(200, [&](std::uint64_t seed, std::mt19937_64& rng) {
-    FakeIoConfig config = random_config(seed, rng);
-    config.fail_request = static_cast<std::int64_t>(rng() % 6);
+    const FakeIoConfig config = fake::failing_one_request(random_config(seed, rng), rng, 6);
     FakeIoBackend fake(config);
     Scenario s(fake, rng);
     IoQueue q(fake, 512);
