@@ -51,6 +51,16 @@ def gpt():
     return model_and_reference(make_gpt, "cpu")
 
 
+@pytest.fixture
+def offloaded_gpt(pool):
+    """make_gpt's model with its blocks offloaded on the host path, its reference, and the
+    handle; undone after the test (a second undo does nothing)."""
+    model, ref = model_and_reference(make_gpt, "cpu")
+    handle = hipferry.offload_layers(model, pool=pool, device="cpu")
+    yield model, ref, handle
+    handle.undo()
+
+
 # ------------------------------------------------------------------ arguments
 def test_model_must_be_a_module():
     with pytest.raises(TypeError, match="model must be an nn.Module"):
@@ -177,9 +187,8 @@ def test_pool_too_small(pool):
 
 
 # ------------------------------------------------------------------ after offload
-def test_offloading_the_same_blocks_twice(pool):
-    model, ref = model_and_reference(make_gpt, "cpu")
-    handle = hipferry.offload_layers(model, pool=pool, device="cpu")
+def test_offloading_the_same_blocks_twice(pool, offloaded_gpt):
+    model, ref, handle = offloaded_gpt
     before = snapshot_params(model)
     usage = pool_in_use(pool)
     hooks = [(list(b._forward_pre_hooks), list(b._forward_hooks)) for b in model.blocks]
@@ -201,9 +210,8 @@ def test_offloading_the_same_blocks_twice(pool):
     again.undo()
 
 
-def test_parameter_replaced_after_offload(pool):
-    model, _ = model_and_reference(make_gpt, "cpu")
-    handle = hipferry.offload_layers(model, pool=pool, device="cpu")
+def test_parameter_replaced_after_offload(offloaded_gpt):
+    model, _, handle = offloaded_gpt
     p = model.blocks[1].fc2.weight
     p.data = p.data.clone()  # what model.to(...) does to every parameter
     with pytest.raises(RuntimeError, match=r"'blocks\.1\.fc2\.weight' was moved or replaced.*undo\(\)"):
@@ -211,9 +219,8 @@ def test_parameter_replaced_after_offload(pool):
     handle.undo()
 
 
-def test_weight_modified_between_forward_and_backward(pool):
-    model, _ = model_and_reference(make_gpt, "cpu")
-    handle = hipferry.offload_layers(model, pool=pool, device="cpu")
+def test_weight_modified_between_forward_and_backward(offloaded_gpt):
+    model, _, handle = offloaded_gpt
     loss = model(model.example(0)).square().mean()
     with torch.no_grad():
         model.blocks[2].fc1.weight.add_(1.0)  # as an optimizer step before backward would
@@ -223,10 +230,9 @@ def test_weight_modified_between_forward_and_backward(pool):
     handle.undo()
 
 
-def test_training_continues_after_a_failed_backward(pool):
+def test_training_continues_after_a_failed_backward(offloaded_gpt):
     # A backward that raised must not break the next ones: their block gradients still arrive.
-    model, ref = model_and_reference(make_gpt, "cpu")
-    handle = hipferry.offload_layers(model, pool=pool, device="cpu")
+    model, ref, _ = offloaded_gpt
     loss = model(model.example(0)).square().mean()
     with torch.no_grad():
         for m in (model, ref):
@@ -238,12 +244,10 @@ def test_training_continues_after_a_failed_backward(pool):
     x = model.example(1)
     train_step(model, x), train_step(ref, x)
     assert_same_grads(model, ref)
-    handle.undo()
 
 
-def test_exception_inside_a_block_leaves_the_model_working(pool):
-    model, ref = model_and_reference(make_gpt, "cpu")
-    handle = hipferry.offload_layers(model, pool=pool, device="cpu")
+def test_exception_inside_a_block_leaves_the_model_working(offloaded_gpt):
+    model, ref, _ = offloaded_gpt
     params = dict(model.named_parameters())
     with pytest.raises(RuntimeError):
         model.blocks[1](torch.zeros(2, 3, 5))  # wrong width: fails inside the block
@@ -252,12 +256,10 @@ def test_exception_inside_a_block_leaves_the_model_working(pool):
     x = model.example(0)
     train_step(model, x), train_step(ref, x)
     assert_same_grads(model, ref)
-    handle.undo()
 
 
-def test_undo_between_forward_and_backward(pool):
-    model, _ = model_and_reference(make_gpt, "cpu")
-    handle = hipferry.offload_layers(model, pool=pool, device="cpu")
+def test_undo_between_forward_and_backward(offloaded_gpt):
+    model, _, handle = offloaded_gpt
     loss = model(model.example(0)).square().mean()
     handle.undo()
     with pytest.raises(RuntimeError, match=r"backward needs weights of block 'blocks\.\d'.*undone after forward"):
