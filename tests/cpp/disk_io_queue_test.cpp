@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <optional>
 #include <random>
 #include <set>
 #include <vector>
@@ -101,6 +102,16 @@ struct Scenario {
 void poll_until_idle(IoQueue& q, std::vector<std::uint64_t>* done) {
   for (int i = 0; i < 1000000 && q.pending() > 0; ++i) q.poll(true, done);
   ASSERT_EQ(q.pending(), 0u);
+}
+
+// The IoFailure that polling `q` until idle throws; nullopt when it throws none.
+std::optional<IoFailure> failure_of(IoQueue& q, std::vector<std::uint64_t>* done) {
+  try {
+    poll_until_idle(q, done);
+  } catch (const IoFailure& e) {
+    return e;
+  }
+  return std::nullopt;
 }
 
 TEST(IoQueue, EveryByteLandsUnderAdversarialBackends) {
@@ -219,15 +230,12 @@ TEST(IoQueue, ReadOfATruncatedFileFails) {
   Bytes b(4096);
   std::vector<std::uint64_t> done;
   q.read(f, 8192, b.data(), b.size(), 1);
-  try {
-    poll_until_idle(q, &done);
-    FAIL() << "a read past the end succeeded";
-  } catch (const IoFailure& e) {
-    // 9216 moves 784 bytes (short); the rest, at 10000, finds the end.
-    EXPECT_STREQ(e.what(), "read of /fake/short at offset 10000 (240 bytes): the file ends early (truncated?)");
-    EXPECT_EQ(e.error, 0);
-    EXPECT_EQ(e.offset, 10000u);
-  }
+  const std::optional<IoFailure> e = failure_of(q, &done);
+  ASSERT_TRUE(e) << "a read past the end succeeded";
+  // 9216 moves 784 bytes (short); the rest, at 10000, finds the end.
+  EXPECT_STREQ(e->what(), "read of /fake/short at offset 10000 (240 bytes): the file ends early (truncated?)");
+  EXPECT_EQ(e->error, 0);
+  EXPECT_EQ(e->offset, 10000u);
   EXPECT_EQ(q.counters().short_transfers, 2u);  // 784 of 1024, then 0 of 240
   EXPECT_TRUE(done.empty());
 }
@@ -243,16 +251,20 @@ TEST(IoQueue, WriteToAFullDiskFails) {
   Bytes b(1000, 9);
   std::vector<std::uint64_t> done;
   q.write(f, 0, b.data(), b.size(), 1);
-  try {
-    poll_until_idle(q, &done);
-    FAIL() << "a write to a full disk succeeded";
-  } catch (const IoFailure& e) {
-    EXPECT_EQ(std::string(e.what()),
-              "write of /fake/full at offset 200 (100 bytes): " + std::string(std::strerror(ENOSPC)));
-    EXPECT_EQ(e.error, ENOSPC);
-    EXPECT_EQ(e.path, "/fake/full");
-  }
+  const std::optional<IoFailure> e = failure_of(q, &done);
+  ASSERT_TRUE(e) << "a write to a full disk succeeded";
+  EXPECT_EQ(std::string(e->what()),
+            "write of /fake/full at offset 200 (100 bytes): " + std::string(std::strerror(ENOSPC)));
+  EXPECT_EQ(e->error, ENOSPC);
+  EXPECT_EQ(e->path, "/fake/full");
   EXPECT_EQ(fake.files[f.fd], Bytes(200, 9));
+}
+
+// A file of `bytes` bytes (each 1) on `fake`, at fd 3.
+FileRef one_file(FakeIoBackend& fake, std::size_t bytes) {
+  FileRef f{3, "/fake/f"};
+  fake.files[f.fd] = Bytes(bytes, 1);
+  return f;
 }
 
 TEST(IoQueue, DestructorWaitsForRequestsInFlight) {
@@ -260,8 +272,7 @@ TEST(IoQueue, DestructorWaitsForRequestsInFlight) {
   config.depth = 4;
   config.partial_reap = 1;
   FakeIoBackend fake(config);
-  FileRef f{3, "/fake/f"};
-  fake.files[f.fd] = Bytes(4096, 1);
+  const FileRef f = one_file(fake, 4096);
   Bytes b(4096);
   {
     IoQueue q(fake, 256);
@@ -305,8 +316,7 @@ TEST(IoQueue, CancelDropsQueuedWorkAndKeepsTheQueue) {
 
 TEST(IoQueue, EmptyTransfersAreReportedWithoutRequests) {
   FakeIoBackend fake(FakeIoConfig{});
-  FileRef f{3, "/fake/f"};
-  fake.files[f.fd] = Bytes();
+  const FileRef f = one_file(fake, 0);
   IoQueue q(fake);
   q.read(f, 123, nullptr, 0, 7);
   EXPECT_EQ(q.pending(), 1u);
@@ -337,20 +347,16 @@ TEST(IoQueue, ABrokenBackendFailsTheTransfer) {
   config.depth = 3;
   FakeIoBackend fake(config);
   BrokenBackend broken(fake, 5);
-  FileRef f{3, "/fake/f"};
-  fake.files[f.fd] = Bytes(1000, 1);
+  const FileRef f = one_file(fake, 1000);
   Bytes b(1000);
   IoQueue q(broken, 100);
   q.read(f, 0, b.data(), b.size(), 1);
   std::vector<std::uint64_t> done;
-  try {
-    poll_until_idle(q, &done);
-    FAIL() << "the broken backend went unnoticed";
-  } catch (const IoFailure& e) {
-    EXPECT_STREQ(e.what(), "read of /fake/f at offset 500 (100 bytes): broken backend: ring gone");
-    EXPECT_EQ(e.error, EIO);
-    EXPECT_EQ(fake.in_flight(), 0u);
-  }
+  const std::optional<IoFailure> e = failure_of(q, &done);
+  ASSERT_TRUE(e) << "the broken backend went unnoticed";
+  EXPECT_STREQ(e->what(), "read of /fake/f at offset 500 (100 bytes): broken backend: ring gone");
+  EXPECT_EQ(e->error, EIO);
+  EXPECT_EQ(fake.in_flight(), 0u);
 }
 
 TEST(IoQueue, RejectsBadInput) {
