@@ -43,6 +43,7 @@ pybind11_add_module(_C MODULE
   csrc/torch/pool_fast_path.cpp
   csrc/torch/current_stream.cpp
   csrc/torch/transfer_engine.cpp
+  csrc/torch/transfer_checks.cpp
   csrc/torch/transfer_start.cpp
   csrc/torch/transfer_bindings.cpp
   csrc/torch/adamw_step.cpp

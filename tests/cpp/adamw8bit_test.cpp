@@ -15,6 +15,7 @@
 #include "csrc/core/optim/adamw8bit_cpu.h"
 #include "csrc/core/optim/adamw_cpu.h"
 #include "csrc/core/optim/quant8_map.h"
+#include "tests/cpp/adamw_arrays.h"
 
 namespace hipferry::optim {
 namespace {
@@ -92,17 +93,6 @@ void expect_same(const State8& a, const State8& b, const char* what) {
   EXPECT_TRUE(same_bits(a.am, b.am) && same_bits(a.av, b.av)) << what << ": scales";
 }
 
-// The float32 step's arrays over p, g, m, v, x (the reference the 8-bit step is held to).
-AdamWArrays float32_arrays(Floats& p, const Floats& g, Floats& m, Floats& v, Floats& x) {
-  AdamWArrays f;
-  f.param = p.data();
-  f.grad = g.data();
-  f.exp_avg = m.data();
-  f.exp_avg_sq = v.data();
-  f.max_exp_avg_sq = x.data();
-  return f;
-}
-
 AdamWScalars scalars(bool amsgrad, bool maximize, int step) {
   AdamWHyper h;
   h.lr = 1e-2;
@@ -148,7 +138,7 @@ TEST(AdamW8bitCpu, FirstStepFromZeroStateMatchesTheFloat32Step) {
   std::fill(q.qm.begin(), q.qm.end(), 0);  // not the code of 0, but scale 0 makes any code 0
   Floats p = q.p, m(n, 0.f), v(n, 0.f), x(n, 0.f);
   adamw8bit_cpu(q.arrays(ElementType::kFloat32, false), scalars(false, false, 1), 0, n);
-  adamw_cpu(float32_arrays(p, q.g32, m, v, x), scalars(false, false, 1), 0, n);
+  adamw_cpu(float32_arrays(p.data(), q.g32.data(), m.data(), v.data(), x.data()), scalars(false, false, 1), 0, n);
   EXPECT_TRUE(same_bits(q.p, p));
 }
 
@@ -229,7 +219,7 @@ TEST(AdamW8bitCpu, MomentsStayWithinTheDecayedRoundingsOfTheFloat32Step) {
     for (std::size_t i = 0; i < n; ++i) q.g32[i] = d(rng) * static_cast<float>(1 + i % 13);
     const AdamWScalars s = scalars(false, false, t);
     adamw8bit_cpu(q.arrays(ElementType::kFloat32, false), s, 0, n);
-    adamw_cpu(float32_arrays(p, q.g32, m, v, x), s, 0, n);
+    adamw_cpu(float32_arrays(p.data(), q.g32.data(), m.data(), v.data(), x.data()), s, 0, n);
     const Floats m8 = q.moment(0), v8 = q.moment(1);
     for (std::size_t b = 0; b < q.blocks(); ++b) {
       bound_m[b] = 0.9 * bound_m[b] + h_m * q.am[b];

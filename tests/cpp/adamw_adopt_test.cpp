@@ -13,6 +13,7 @@
 #include "csrc/core/cpu/cpu_isa.h"
 #include "csrc/core/optim/adamw8bit_cpu.h"
 #include "csrc/core/optim/adamw_cpu.h"
+#include "tests/cpp/adamw_arrays.h"
 
 namespace hipferry::optim {
 namespace {
@@ -32,12 +33,7 @@ struct Bf16Param {
     }
   }
   AdamWArrays arrays(bool adopt) {
-    AdamWArrays a;
-    a.param = master.data();
-    a.grad = g.data();
-    a.exp_avg = m.data();
-    a.exp_avg_sq = v.data();
-    a.max_exp_avg_sq = x.data();
+    AdamWArrays a = float32_arrays(master.data(), g.data(), m.data(), v.data(), x.data());
     a.param_out = out.data();
     a.out_type = ElementType::kBFloat16;
     a.adopt_out = adopt;

@@ -13,6 +13,7 @@
 #include "csrc/core/convert.h"
 #include "csrc/core/cpu/cpu_isa.h"
 #include "csrc/core/optim/adamw_cpu.h"
+#include "tests/cpp/adamw_arrays.h"
 
 namespace hipferry::optim {
 namespace {
@@ -27,15 +28,7 @@ struct State {
       g[i] = d(rng) * 1e-2f;
     }
   }
-  AdamWArrays arrays() {
-    AdamWArrays a;
-    a.param = p.data();
-    a.grad = g.data();
-    a.exp_avg = m.data();
-    a.exp_avg_sq = v.data();
-    a.max_exp_avg_sq = vmax.data();
-    return a;
-  }
+  AdamWArrays arrays() { return float32_arrays(p.data(), g.data(), m.data(), v.data(), vmax.data()); }
 };
 
 // AdamW's formulas in double: what a float32 trajectory must stay close to.

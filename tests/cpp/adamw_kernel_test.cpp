@@ -10,6 +10,7 @@
 
 #include "hip/adamw_kernel.h"
 #include "csrc/core/convert.h"
+#include "tests/cpp/adamw_arrays.h"
 
 namespace hipferry {
 namespace {
@@ -27,13 +28,8 @@ struct HostState {
   }
   optim::AdamWArrays arrays(float* base_p, void* base_g, float* base_m, float* base_v, float* base_vmax,
                             void* base_out) {
-    optim::AdamWArrays a;
-    a.param = base_p;
-    a.grad = base_g;
+    optim::AdamWArrays a = optim::float32_arrays(base_p, base_g, base_m, base_v, base_vmax);
     a.grad_type = ElementType::kBFloat16;
-    a.exp_avg = base_m;
-    a.exp_avg_sq = base_v;
-    a.max_exp_avg_sq = base_vmax;
     a.param_out = base_out;
     a.out_type = ElementType::kBFloat16;
     return a;

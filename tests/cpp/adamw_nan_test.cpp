@@ -17,6 +17,7 @@
 #include "csrc/core/convert.h"
 #include "csrc/core/cpu/cpu_isa.h"
 #include "csrc/core/optim/adamw_cpu.h"
+#include "tests/cpp/adamw_arrays.h"
 
 namespace hipferry::optim {
 namespace {
@@ -173,12 +174,7 @@ TEST(AdamWNaN, NaNGradientMeetingNaNMomentGivesTheCanonicalNaN) {
   }
   for (cpu::Isa isa : builds_here()) {
     std::vector<float> pp = p, mm = m, vv = v, mx = vmax;
-    AdamWArrays a;
-    a.param = pp.data();
-    a.grad = g.data();
-    a.exp_avg = mm.data();
-    a.exp_avg_sq = vv.data();
-    a.max_exp_avg_sq = mx.data();
+    const AdamWArrays a = float32_arrays(pp.data(), g.data(), mm.data(), vv.data(), mx.data());
     adamw_cpu_isa(isa, a, adamw_scalars(AdamWHyper{}, 1), 0, n);
     for (std::size_t i = 0; i < n; ++i) {
       ASSERT_EQ(f32_as_bits(pp[i]), 0x7fc00000u) << cpu::isa_name(isa) << " " << i;

@@ -11,6 +11,7 @@
 
 #include "csrc/core/disk/chunk_pipeline.h"
 #include "tests/cpp/fake_io_backend.h"
+#include "tests/cpp/seeds.h"
 
 namespace hipferry::disk {
 namespace {
@@ -114,11 +115,7 @@ struct Harness {
 };
 
 FakeIoConfig random_config(std::uint64_t seed, std::mt19937_64& rng) {
-  FakeIoConfig c;
-  c.seed = seed;
-  c.depth = 1 + rng() % 8;
-  c.shuffle = rng() % 2;
-  c.partial_reap = (rng() % 2) ? 0.6 : 0;
+  FakeIoConfig c = fake::random_config(seed, rng, 0.6);
   c.short_fraction = (rng() % 2) ? 0.3 : 0;
   return c;
 }
@@ -129,9 +126,7 @@ std::size_t random_request_bytes(std::mt19937_64& rng) {
 }
 
 TEST(ChunkPipeline, EveryChunkComputedInOrderAndWritten) {
-  for (std::uint64_t seed = 0; seed < 300; ++seed) {
-    SCOPED_TRACE(seed);
-    std::mt19937_64 rng(seed);
+  for_each_seed(300, [&](std::uint64_t seed, std::mt19937_64& rng) {
     FakeIoBackend fake(random_config(seed, rng));
     const std::size_t count = rng() % 13, window = 1 + rng() % 4;
     Store store(fake, count, rng);
@@ -145,7 +140,7 @@ TEST(ChunkPipeline, EveryChunkComputedInOrderAndWritten) {
     for (std::size_t c = 0; c < count; ++c) EXPECT_EQ(store.state(fake, c), 1) << "chunk " << c;
     EXPECT_EQ(fake.in_flight(), 0u);
     EXPECT_EQ(h.queue.pending(), 0u);
-  }
+  });
 }
 
 // With a backend that keeps up, compute(i) runs while the reads of every
@@ -183,11 +178,8 @@ TEST(ChunkPipeline, ReadsAheadAsFarAsTheWindowAllows) {
 // files, chunk written() is not (whole), chunks from computed() on are untouched.
 TEST(ChunkPipeline, AnIoFailureMidwayLeavesExactlyTheWrittenChunks) {
   int failures = 0;
-  for (std::uint64_t seed = 0; seed < 300; ++seed) {
-    SCOPED_TRACE(seed);
-    std::mt19937_64 rng(seed);
-    FakeIoConfig config = random_config(seed, rng);
-    config.fail_request = static_cast<std::int64_t>(rng() % 40);
+  for_each_seed(300, [&](std::uint64_t seed, std::mt19937_64& rng) {
+    const FakeIoConfig config = fake::failing_one_request(random_config(seed, rng), rng, 40);
     FakeIoBackend fake(config);
     const std::size_t count = 1 + rng() % 12, window = 1 + rng() % 4;
     Store store(fake, count, rng);
@@ -195,7 +187,7 @@ TEST(ChunkPipeline, AnIoFailureMidwayLeavesExactlyTheWrittenChunks) {
     try {
       h.run(count);
       EXPECT_LE(fake.records().size(), static_cast<std::size_t>(config.fail_request));
-      continue;
+      return;
     } catch (const IoFailure& e) {
       ++failures;
       EXPECT_EQ(fake.in_flight(), 0u);
@@ -211,16 +203,14 @@ TEST(ChunkPipeline, AnIoFailureMidwayLeavesExactlyTheWrittenChunks) {
       else if (c == h.pipe.written()) EXPECT_NE(state, 1) << "chunk " << c;
       if (c >= h.pipe.computed()) EXPECT_EQ(state, 0) << "chunk " << c;
     }
-  }
+  });
   EXPECT_GT(failures, 100);
 }
 
 // compute(k) throws: nothing new is submitted, the requests in flight finish,
 // the same exception comes back, and the queue serves the next pass.
 TEST(ChunkPipeline, AComputeThatThrowsDrainsAndRethrows) {
-  for (std::uint64_t seed = 0; seed < 200; ++seed) {
-    SCOPED_TRACE(seed);
-    std::mt19937_64 rng(seed);
+  for_each_seed(200, [&](std::uint64_t seed, std::mt19937_64& rng) {
     FakeIoBackend fake(random_config(seed, rng));
     const std::size_t count = 1 + rng() % 12, window = 1 + rng() % 4;
     Store store(fake, count, rng);
@@ -247,7 +237,7 @@ TEST(ChunkPipeline, AComputeThatThrowsDrainsAndRethrows) {
                [&](std::size_t, void*) { ++seen; });
     EXPECT_EQ(seen, count);
     EXPECT_EQ(h.pipe.written(), count);
-  }
+  });
 }
 
 TEST(ChunkPipeline, AWriteOnlyPassFillsTheFiles) {

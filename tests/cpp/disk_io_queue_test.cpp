@@ -7,12 +7,14 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <optional>
 #include <random>
 #include <set>
 #include <vector>
 
 #include "csrc/core/disk/io_queue.h"
 #include "tests/cpp/fake_io_backend.h"
+#include "tests/cpp/seeds.h"
 
 namespace hipferry::disk {
 namespace {
@@ -30,11 +32,7 @@ Bytes random_bytes(std::size_t n, std::mt19937_64& rng) {
 }
 
 FakeIoConfig random_config(std::uint64_t seed, std::mt19937_64& rng) {
-  FakeIoConfig c;
-  c.seed = seed;
-  c.depth = 1 + rng() % 8;
-  c.shuffle = rng() % 2;
-  c.partial_reap = (rng() % 2) ? 0.5 : 0;
+  FakeIoConfig c = fake::random_config(seed, rng, 0.5);
   c.short_fraction = (seed % 3 == 0) ? 0 : 0.3;
   return c;
 }
@@ -106,10 +104,18 @@ void poll_until_idle(IoQueue& q, std::vector<std::uint64_t>* done) {
   ASSERT_EQ(q.pending(), 0u);
 }
 
+// The IoFailure that polling `q` until idle throws; nullopt when it throws none.
+std::optional<IoFailure> failure_of(IoQueue& q, std::vector<std::uint64_t>* done) {
+  try {
+    poll_until_idle(q, done);
+  } catch (const IoFailure& e) {
+    return e;
+  }
+  return std::nullopt;
+}
+
 TEST(IoQueue, EveryByteLandsUnderAdversarialBackends) {
-  for (std::uint64_t seed = 0; seed < 300; ++seed) {
-    SCOPED_TRACE(seed);
-    std::mt19937_64 rng(seed);
+  for_each_seed(300, [&](std::uint64_t seed, std::mt19937_64& rng) {
     const FakeIoConfig config = random_config(seed, rng);
     FakeIoBackend fake(config);
     Scenario s(fake, rng);
@@ -136,15 +142,13 @@ TEST(IoQueue, EveryByteLandsUnderAdversarialBackends) {
     EXPECT_LE(c.max_in_flight, config.depth);
     if (config.short_fraction > 0) EXPECT_GE(c.requests, c.short_transfers);
     for (const auto& rec : fake.records()) EXPECT_LE(rec.request.bytes, request_bytes);
-  }
+  });
 }
 
 // Without short transfers, each transfer is cut into request_bytes pieces,
 // the last one shorter, covering it exactly once.
 TEST(IoQueue, TransfersSplitIntoRequestBytesPieces) {
-  for (std::uint64_t seed = 0; seed < 200; ++seed) {
-    SCOPED_TRACE(seed);
-    std::mt19937_64 rng(seed);
+  for_each_seed(200, [&](std::uint64_t seed, std::mt19937_64& rng) {
     FakeIoConfig config = random_config(seed, rng);
     config.short_fraction = 0;
     FakeIoBackend fake(config);
@@ -165,7 +169,7 @@ TEST(IoQueue, TransfersSplitIntoRequestBytesPieces) {
       }
       EXPECT_EQ(at, x.offset + x.buffer.size());
     }
-  }
+  });
 }
 
 // The k-th request fails: the error names the operation, the file, the
@@ -173,11 +177,8 @@ TEST(IoQueue, TransfersSplitIntoRequestBytesPieces) {
 // nothing submitted after it; the queue stays dead.
 TEST(IoQueue, FailureNamesFileAndOffsetAndDrainsFirst) {
   int failures = 0;
-  for (std::uint64_t seed = 0; seed < 200; ++seed) {
-    SCOPED_TRACE(seed);
-    std::mt19937_64 rng(seed);
-    FakeIoConfig config = random_config(seed, rng);
-    config.fail_request = static_cast<std::int64_t>(rng() % 6);
+  for_each_seed(200, [&](std::uint64_t seed, std::mt19937_64& rng) {
+    const FakeIoConfig config = fake::failing_one_request(random_config(seed, rng), rng, 6);
     FakeIoBackend fake(config);
     Scenario s(fake, rng);
     IoQueue q(fake, 512);
@@ -198,7 +199,7 @@ TEST(IoQueue, FailureNamesFileAndOffsetAndDrainsFirst) {
       EXPECT_EQ(e.offset, r.offset);
       EXPECT_EQ(e.error, EIO);
     }
-    if (fake.records().size() <= static_cast<std::size_t>(config.fail_request)) continue;  // too few requests
+    if (fake.records().size() <= static_cast<std::size_t>(config.fail_request)) return;  // too few requests
     ASSERT_FALSE(message.empty()) << "the failure was not reported";
     ++failures;
     EXPECT_EQ(fake.submits_after_failure(), 0u);
@@ -213,7 +214,7 @@ TEST(IoQueue, FailureNamesFileAndOffsetAndDrainsFirst) {
     Bytes b(10);
     EXPECT_THROW(q.read(s.src, 0, b.data(), b.size(), 99), IoFailure);
     EXPECT_EQ(fake.records().size(), submitted);
-  }
+  });
   EXPECT_GT(failures, 100);  // most seeds have more than 6 requests
 }
 
@@ -229,15 +230,12 @@ TEST(IoQueue, ReadOfATruncatedFileFails) {
   Bytes b(4096);
   std::vector<std::uint64_t> done;
   q.read(f, 8192, b.data(), b.size(), 1);
-  try {
-    poll_until_idle(q, &done);
-    FAIL() << "a read past the end succeeded";
-  } catch (const IoFailure& e) {
-    // 9216 moves 784 bytes (short); the rest, at 10000, finds the end.
-    EXPECT_STREQ(e.what(), "read of /fake/short at offset 10000 (240 bytes): the file ends early (truncated?)");
-    EXPECT_EQ(e.error, 0);
-    EXPECT_EQ(e.offset, 10000u);
-  }
+  const std::optional<IoFailure> e = failure_of(q, &done);
+  ASSERT_TRUE(e) << "a read past the end succeeded";
+  // 9216 moves 784 bytes (short); the rest, at 10000, finds the end.
+  EXPECT_STREQ(e->what(), "read of /fake/short at offset 10000 (240 bytes): the file ends early (truncated?)");
+  EXPECT_EQ(e->error, 0);
+  EXPECT_EQ(e->offset, 10000u);
   EXPECT_EQ(q.counters().short_transfers, 2u);  // 784 of 1024, then 0 of 240
   EXPECT_TRUE(done.empty());
 }
@@ -253,16 +251,20 @@ TEST(IoQueue, WriteToAFullDiskFails) {
   Bytes b(1000, 9);
   std::vector<std::uint64_t> done;
   q.write(f, 0, b.data(), b.size(), 1);
-  try {
-    poll_until_idle(q, &done);
-    FAIL() << "a write to a full disk succeeded";
-  } catch (const IoFailure& e) {
-    EXPECT_EQ(std::string(e.what()),
-              "write of /fake/full at offset 200 (100 bytes): " + std::string(std::strerror(ENOSPC)));
-    EXPECT_EQ(e.error, ENOSPC);
-    EXPECT_EQ(e.path, "/fake/full");
-  }
+  const std::optional<IoFailure> e = failure_of(q, &done);
+  ASSERT_TRUE(e) << "a write to a full disk succeeded";
+  EXPECT_EQ(std::string(e->what()),
+            "write of /fake/full at offset 200 (100 bytes): " + std::string(std::strerror(ENOSPC)));
+  EXPECT_EQ(e->error, ENOSPC);
+  EXPECT_EQ(e->path, "/fake/full");
   EXPECT_EQ(fake.files[f.fd], Bytes(200, 9));
+}
+
+// A file of `bytes` bytes (each 1) on `fake`, at fd 3.
+FileRef one_file(FakeIoBackend& fake, std::size_t bytes) {
+  FileRef f{3, "/fake/f"};
+  fake.files[f.fd] = Bytes(bytes, 1);
+  return f;
 }
 
 TEST(IoQueue, DestructorWaitsForRequestsInFlight) {
@@ -270,8 +272,7 @@ TEST(IoQueue, DestructorWaitsForRequestsInFlight) {
   config.depth = 4;
   config.partial_reap = 1;
   FakeIoBackend fake(config);
-  FileRef f{3, "/fake/f"};
-  fake.files[f.fd] = Bytes(4096, 1);
+  const FileRef f = one_file(fake, 4096);
   Bytes b(4096);
   {
     IoQueue q(fake, 256);
@@ -315,8 +316,7 @@ TEST(IoQueue, CancelDropsQueuedWorkAndKeepsTheQueue) {
 
 TEST(IoQueue, EmptyTransfersAreReportedWithoutRequests) {
   FakeIoBackend fake(FakeIoConfig{});
-  FileRef f{3, "/fake/f"};
-  fake.files[f.fd] = Bytes();
+  const FileRef f = one_file(fake, 0);
   IoQueue q(fake);
   q.read(f, 123, nullptr, 0, 7);
   EXPECT_EQ(q.pending(), 1u);
@@ -347,20 +347,16 @@ TEST(IoQueue, ABrokenBackendFailsTheTransfer) {
   config.depth = 3;
   FakeIoBackend fake(config);
   BrokenBackend broken(fake, 5);
-  FileRef f{3, "/fake/f"};
-  fake.files[f.fd] = Bytes(1000, 1);
+  const FileRef f = one_file(fake, 1000);
   Bytes b(1000);
   IoQueue q(broken, 100);
   q.read(f, 0, b.data(), b.size(), 1);
   std::vector<std::uint64_t> done;
-  try {
-    poll_until_idle(q, &done);
-    FAIL() << "the broken backend went unnoticed";
-  } catch (const IoFailure& e) {
-    EXPECT_STREQ(e.what(), "read of /fake/f at offset 500 (100 bytes): broken backend: ring gone");
-    EXPECT_EQ(e.error, EIO);
-    EXPECT_EQ(fake.in_flight(), 0u);
-  }
+  const std::optional<IoFailure> e = failure_of(q, &done);
+  ASSERT_TRUE(e) << "the broken backend went unnoticed";
+  EXPECT_STREQ(e->what(), "read of /fake/f at offset 500 (100 bytes): broken backend: ring gone");
+  EXPECT_EQ(e->error, EIO);
+  EXPECT_EQ(fake.in_flight(), 0u);
 }
 
 TEST(IoQueue, RejectsBadInput) {

@@ -157,4 +157,22 @@ class FakeIoBackend final : public IoBackend {
   std::size_t submits_after_failure_ = 0;
 };
 
+// A random adversarial configuration for `seed`: a depth of 1 to 8, completions in
+// random order or not, partial reaps (with chance `partial_reap`) or none. Draws from
+// rng in that order; short transfers are left to the caller.
+inline FakeIoConfig random_config(std::uint64_t seed, std::mt19937_64& rng, double partial_reap) {
+  FakeIoConfig c;
+  c.seed = seed;
+  c.depth = 1 + rng() % 8;
+  c.shuffle = rng() % 2;
+  c.partial_reap = (rng() % 2) ? partial_reap : 0;
+  return c;
+}
+
+// `c` with one request failing (-EIO): the k-th submitted, k drawn from rng below `requests`.
+inline FakeIoConfig failing_one_request(FakeIoConfig c, std::mt19937_64& rng, std::uint64_t requests) {
+  c.fail_request = static_cast<std::int64_t>(rng() % requests);
+  return c;
+}
+
 }  // namespace hipferry::disk::fake

@@ -19,14 +19,7 @@
 namespace hipferry::pool {
 namespace {
 
-using testing::FakeMemory;
-using testing::FakeStreams;
-using testing::Fixture;
-using testing::find_pattern_damage;
-using testing::small_options;
-using testing::write_pattern;
-using testing::KiB;
-using testing::MiB;
+using namespace testing;  // the fixtures: fake_host_memory.h, host_pool_fixture.h
 
 // --- many threads -----------------------------------------------------------------
 

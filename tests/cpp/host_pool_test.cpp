@@ -26,14 +26,7 @@
 namespace hipferry::pool {
 namespace {
 
-using testing::FakeMemory;
-using testing::FakeStreams;
-using testing::Fixture;
-using testing::find_pattern_damage;
-using testing::KiB;
-using testing::MiB;
-using testing::small_options;
-using testing::write_pattern;
+using namespace testing;  // the fixtures: fake_host_memory.h, host_pool_fixture.h
 
 const StreamUse kS0 = FakeStreams::stream(0);
 const StreamUse kS1 = FakeStreams::stream(1);
@@ -613,9 +606,7 @@ TEST(HostPool, TrimCountsSegmentsReleasedByItsOwnEventPoll) {
   o.max_cached_bytes = 0;
   Fixture f(o);
   const auto a = f.pool->allocate(100);
-  f.pool->record_use(a.host, kS0);
-  f.streams->enqueue(kS0);
-  f.pool->deallocate(a.host);
+  f.free_in_use(a.host, kS0);
   f.streams->complete(kS0);
   const std::size_t before = f.stats().reserved_bytes;
   const std::size_t released = f.pool->trim();
@@ -629,9 +620,7 @@ TEST(HostPool, TrimCountsSegmentsReleasedByItsOwnEventPoll) {
 TEST(HostPool, BlockIsNotReusedUntilItsStreamCompletes) {
   Fixture f;
   const auto a = f.pool->allocate(4 * KiB);
-  f.pool->record_use(a.host, kS0);
-  f.streams->enqueue(kS0);  // a copy into the block, not done yet
-  f.pool->deallocate(a.host);
+  f.free_in_use(a.host, kS0);  // a copy into the block, not done yet
   EXPECT_EQ(f.streams->records(), 1u);
   auto s = f.stats();
   EXPECT_EQ(s.waiting_blocks, 1u);
@@ -686,9 +675,7 @@ TEST(HostPool, BlockUsedOnTwoStreamsWaitsForBoth) {
 TEST(HostPool, ParkedBlocksArePolledOnACacheMissOnly) {
   Fixture f;
   const auto a = f.pool->allocate(4 * KiB);
-  f.pool->record_use(a.host, kS0);
-  f.streams->enqueue(kS0);
-  f.pool->deallocate(a.host);
+  f.free_in_use(a.host, kS0);
   f.streams->complete(kS0);
   const auto hit = f.pool->allocate(4 * KiB);  // the rest of the small segment
   EXPECT_EQ(f.streams->queries(), 0u);
@@ -747,9 +734,7 @@ TEST(HostPool, OverCapacityAllocateDoesNotSpinOnAFailingEvent) {
   o.capacity = 512 * KiB;
   Fixture f(o);
   const auto a = f.pool->allocate(512 * KiB);
-  f.pool->record_use(a.host, kS0);
-  f.streams->enqueue(kS0);
-  f.pool->deallocate(a.host);
+  f.free_in_use(a.host, kS0);
   f.streams->fail_queries(1000);
   f.streams->complete_all_after_queries(2000);  // a pool that neither synchronizes nor gives up
   try {
@@ -775,31 +760,18 @@ TEST(HostPool, BadInputThrowsPoolErrorAndChangesNothing) {
   const auto freed = f.pool->allocate(200);
   f.pool->deallocate(freed.host);
   const auto parked = f.pool->allocate(300);
-  f.pool->record_use(parked.host, kS0);
-  f.streams->enqueue(kS0);
-  f.pool->deallocate(parked.host);
+  f.free_in_use(parked.host, kS0);
   const auto before = f.stats();
 
   int local = 0;
   void* heap = std::malloc(64);
   const auto rejected = [&](const char* what, auto call) {
     SCOPED_TRACE(what);
-    try {
-      call();
-      ADD_FAILURE() << "no exception";
-    } catch (const PoolCapacityError& e) {
-      ADD_FAILURE() << "a capacity error for bad input: " << e.what();
-    } catch (const PoolError&) {
-    }
+    bad_input_error(call);
     EXPECT_NO_THROW(f.pool->check_invariants());
     EXPECT_EQ(find_pattern_damage(a.host, 3000, 1), -1);
     EXPECT_EQ(find_pattern_damage(b.host, 100 * KiB, 2), -1);
-    const auto s = f.stats();
-    EXPECT_EQ(s.live_blocks, before.live_blocks);
-    EXPECT_EQ(s.waiting_blocks, before.waiting_blocks);
-    EXPECT_EQ(s.requested_bytes, before.requested_bytes);
-    EXPECT_EQ(s.allocated_bytes, before.allocated_bytes);
-    EXPECT_EQ(s.reserved_bytes, before.reserved_bytes);
+    expect_same_holdings(f.stats(), before);
     EXPECT_EQ(f.mem->allocs(), 2u);
   };
   rejected("allocate(0)", [&] { f.pool->allocate(0); });
@@ -833,9 +805,7 @@ TEST(HostPool, CloseRefusesAllocationsAndReleasesBlocksAsTheyAreFreed) {
   ASSERT_EQ(segment_bytes(*f.mem, small.host), 64 * KiB);
   f.pool->deallocate(f.pool->allocate(200 * KiB).host);  // a cached large segment
   const auto parked = f.pool->allocate(2000);            // the small segment, parked on s0
-  f.pool->record_use(parked.host, kS0);
-  f.streams->enqueue(kS0);
-  f.pool->deallocate(parked.host);
+  f.free_in_use(parked.host, kS0);
   write_pattern(small.host, 100, 1);
   write_pattern(medium.host, 128 * KiB, 2);
   ASSERT_EQ(f.mem->live_segments(), 3u);
@@ -990,9 +960,7 @@ TEST(HostPool, NoLockIsHeldAcrossProviderAndEventCalls) {
   f.streams->on_call([&](const char* what) { probe(what); });
 
   const auto a = f.pool->allocate(512 * KiB);  // provider allocate
-  f.pool->record_use(a.host, kS0);
-  f.streams->enqueue(kS0);
-  f.pool->deallocate(a.host);                   // record
+  f.free_in_use(a.host, kS0);                   // record
   EXPECT_EQ(f.pool->process_events(), 0u);      // query
   f.streams->complete_all_after_queries(1000);  // see OverCapacityAllocateWaitsForParkedBlocks
   const auto b = f.pool->allocate(512 * KiB);   // over capacity: synchronize, query

@@ -10,7 +10,7 @@ Bandwidth counts source bytes (what crosses the link / is read).
 """
 import torch
 
-from . import Context, SuiteResult, best_of_interleaved, gpu_timer, sizes_by_four, suite, wall_timer
+from .harness import Context, SuiteResult, best_of_interleaved, gpu_timer, sizes_by_four, suite, wall_timer
 from ..ops import copy_cast_
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30

@@ -35,7 +35,7 @@ def _reset_peak() -> bool:
 def _first_use(folder: str, chunk: int) -> None:
     import gc
     import torch
-    from hipferry import PinnedPool
+    from ..pool import PinnedPool
     from hipferry.optim import DiskOptions, OffloadAdamW
     with PinnedPool() as pool:
         p = torch.nn.Parameter(torch.zeros(1 << 18))

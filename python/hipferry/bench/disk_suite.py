@@ -33,7 +33,7 @@ from typing import Callable, Dict, List
 
 import torch
 
-from . import Context, SuiteResult, suite
+from .harness import Context, SuiteResult, suite
 from . import disk_rss
 from .disk_speed import OWN_READ, OWN_WRITE, measure_speed, reference
 

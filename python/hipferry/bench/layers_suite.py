@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import Context, SuiteResult, best_of_interleaved, suite
+from .harness import Context, SuiteResult, best_of_interleaved, suite
 from .offload_suite import MiB, NO, _allocated, _device, _mib, _Progress, _run_with_peak, _timer
 
 HF = "hipferry offload_layers(prefetch={})"
@@ -163,7 +163,7 @@ def _split_map(device_map: dict, depth: int) -> Dict[bool, str]:
 
 @suite("layers")
 def layers_suite(ctx: Context) -> SuiteResult:
-    import hipferry
+    from ..module_offload import offload_layers
     dev = _device(ctx)
     cfg = _layers_config(ctx, dev)
     notes: List[str] = []
@@ -187,7 +187,7 @@ def layers_suite(ctx: Context) -> SuiteResult:
     for prefetch in (2, 1):
         name, m = HF.format(prefetch), _cpu_copy(master)
         before = _allocated(dev)
-        handles[name] = hipferry.offload_layers(m, prefetch=prefetch, device=dev)
+        handles[name] = offload_layers(m, prefetch=prefetch, device=dev)
         resident[name] = _allocated(dev) - before  # the ring + embeddings, final LN, head
         estimate[name] = handles[name].stats()["device_bytes"] + rest_bytes
         models[name] = m

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import Context, SuiteResult, best_of_interleaved, suite
+from .harness import Context, SuiteResult, best_of_interleaved, suite
 
 MiB = 1 << 20
 NO = "no offload"
@@ -111,13 +111,13 @@ def _link_h2d_GBps(dev: torch.device) -> float:
 
 
 def _activation_rows(reg: dict, dev: torch.device, repeats: int, link_GBps) -> List[dict]:
-    import hipferry
+    from ..module_offload import offload_activations
     torch.manual_seed(0)
     with torch.device(dev):
         model = nn.Sequential(*[_MlpBlock(reg["width"]) for _ in range(reg["layers"])])
         x = torch.randn(reg["tokens"], reg["width"])
     largest = reg["tokens"] * 4 * reg["width"] * 4  # fc1's output, fp32
-    hf = hipferry.offload_activations(min_bytes=reg["min_bytes"], max_in_flight=max(4 * largest, 64 * MiB))
+    hf = offload_activations(min_bytes=reg["min_bytes"], max_in_flight=max(4 * largest, 64 * MiB))
     gpu = dev.type == "cuda"
     contexts = {NO: contextlib.nullcontext, SAVE: lambda: torch.autograd.graph.save_on_cpu(pin_memory=gpu),
                 HFA: lambda: hf}

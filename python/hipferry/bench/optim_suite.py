@@ -60,7 +60,7 @@ from typing import Callable, Dict, List
 
 import torch
 
-from . import Context, SuiteResult, best_of_interleaved, gpu_timer, suite
+from .harness import Context, SuiteResult, best_of_interleaved, gpu_timer, suite
 from .optim_8bit import eight_bit_rows
 from .optim_overlap import overlap_rows
 
@@ -234,8 +234,8 @@ def _cpu_contenders(n: int, bf16: bool, OffloadAdamW) -> Dict[str, Callable[[], 
 
 def _cpu_part(ctx: Context, rows: List[dict], notes: List[str], plots: List[dict], step: _Progress,
               OffloadAdamW) -> None:
-    import hipferry
-    pool = hipferry.default_pool()
+    from ..pool import default_pool
+    pool = default_pool()
     repeats = _repeats(ctx)
     flush = _Flush()
     triad = _Triad((16 if ctx.quick else 128) * (1 << 20), flush)
@@ -446,9 +446,9 @@ def _deepspeed_finish(DeepSpeedCPUAdam, c, masters):
 
 def _gpu_part(ctx: Context, rows: List[dict], notes: List[str], plots: List[dict], step: _Progress,
               OffloadAdamW) -> None:
-    import hipferry
+    from ..pool import default_pool
     dev = torch.device("cuda", torch.cuda.current_device())
-    pool = hipferry.default_pool()
+    pool = default_pool()
     link = _link(ctx, dev, step)
     for direction, gbps in link.items():
         rows.append({"measure": "link " + direction, "params": 256 * MiB,

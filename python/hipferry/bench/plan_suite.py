@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 
-from . import Context, SuiteResult, suite
+from .harness import Context, SuiteResult, suite
 
 SIZES = {  # name: (hidden, layers, vocab), batch 2 x 128 tokens
     "llama-9m": (256, 6, 8192),

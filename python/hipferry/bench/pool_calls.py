@@ -21,11 +21,10 @@ import time
 
 import torch
 
-import hipferry
-
-from . import best_of_interleaved
+from .harness import best_of_interleaved
 from .. import _C
-from ..pool import PinnedPool
+from ..pool import PinnedPool, pin
+from ..transfer import prefetch
 
 KiB = 1 << 10
 
@@ -101,7 +100,7 @@ def pin_from_python(ctx, rows, gpu):
     else:
         base = "torch.empty_like(t).copy_(t) (pin_memory's steps, unpinned)"
         contenders = {base: lambda: torch.empty_like(t).copy_(t), "t.clone()": t.clone}
-    contenders["hipferry.pin(t, pool)"] = lambda: hipferry.pin(t, pool)
+    contenders["hipferry.pin(t, pool)"] = lambda: pin(t, pool)
     ctx.progress("pool", 2, 3, f"from Python: pin of {t.numel() * 4} B")
     best = _race(contenders, calls, rounds)
     _rows(rows, "pin from Python", t.numel() * 4, best, base)
@@ -124,7 +123,7 @@ def prefetch_small_from_python(ctx, rows, gpu):
         return out
 
     def hipferry_prefetch():
-        out = hipferry.prefetch(srcs, dev).wait()
+        out = prefetch(srcs, dev).wait()
         sync()
         return out
 

@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from . import Context, SuiteResult, suite
+from .harness import Context, SuiteResult, suite
 from .pool_calls import from_python
 from .. import _C
 from ..pool import PinnedPool

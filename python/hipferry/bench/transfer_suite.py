@@ -27,10 +27,11 @@ import time
 
 import torch
 
-import hipferry
-
-from . import Context, SuiteResult, best_of_interleaved, sizes_by_four, suite
+from .harness import Context, SuiteResult, best_of_interleaved, sizes_by_four, suite
 from .timeline import write_timeline_png
+from ..pool import default_pool
+from ..trace import trace, trace_region
+from ..transfer import configure_transfers, offload, prefetch
 
 NAME = "transfer"
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -97,7 +98,7 @@ def _row(case, direction, nbytes, contender, secs, wall, **extra):
 def _bandwidth(ctx, dev, rows, step):
     gpu = ctx.device == "cuda"
     memcpy = "pinned memcpy (copy engine)" if gpu else "memcpy (preallocated copy_)"
-    pool, clock = hipferry.default_pool(), _Clock(gpu)
+    pool, clock = default_pool(), _Clock(gpu)
     for nbytes in sizes_by_four(ctx):
         n = nbytes // 4
         pageable = torch.randn(n)
@@ -112,8 +113,8 @@ def _bandwidth(ctx, dev, rows, step):
                 cs = {"torch .to (pageable)": lambda: pageable.to(dev, non_blocking=True, copy=True)}
                 if gpu:
                     cs["torch .to (pinned)"] = lambda: pinned.to(dev, non_blocking=True)
-                cs["hipferry prefetch (pool)"] = lambda: hipferry.prefetch(pooled, dev).wait()
-                cs["hipferry prefetch (pageable, staged)"] = lambda: hipferry.prefetch(pageable, dev).wait()
+                cs["hipferry prefetch (pool)"] = lambda: prefetch(pooled, dev).wait()
+                cs["hipferry prefetch (pageable, staged)"] = lambda: prefetch(pageable, dev).wait()
                 cs[memcpy] = (lambda: dst.copy_(pinned, non_blocking=True)) if gpu else (lambda: dst.copy_(pageable))  # noqa: F821 (a name deleted further down; the lambda runs before that)
             else:
                 ref, src = pageable, pageable.to(dev, copy=True)
@@ -121,7 +122,7 @@ def _bandwidth(ctx, dev, rows, step):
                 cs = {"torch .to(cpu) (pageable)": lambda: src.to("cpu", copy=True)}
                 if gpu:  # torch allocates a pinned result for a non_blocking device->host copy
                     cs["torch .to(cpu, non_blocking) (pinned)"] = lambda: src.to("cpu", non_blocking=True)
-                cs["hipferry offload (pool)"] = lambda: hipferry.offload(src).wait()
+                cs["hipferry offload (pool)"] = lambda: offload(src).wait()
                 cs[memcpy] = lambda: dst.copy_(src, non_blocking=gpu)  # noqa: F821 (a name deleted further down; the lambda runs before that)
             _check(cs, ref, gpu)
             best = clock.race(cs, _repeats(ctx, nbytes))
@@ -141,27 +142,27 @@ def _many_small(ctx, dev, rows, step):
         srcs = [s.pin_memory() for s in srcs]
     refs = [s.to(dev, copy=True) for s in srcs]
     hf_name, torch_name = f"hipferry prefetch(list of {count})", f"torch .to(non_blocking) x {count}"
-    cs = {hf_name: lambda: hipferry.prefetch(srcs, dev).wait(),
+    cs = {hf_name: lambda: prefetch(srcs, dev).wait(),
           torch_name: lambda: [s.to(dev, non_blocking=True, copy=True) for s in srcs]}
-    previous = hipferry.configure_transfers()["batched_copy"].split(" ")[0]
+    previous = configure_transfers()["batched_copy"].split(" ")[0]
     if gpu:  # both batched paths: hipferry's kernel (above) and the runtime's batched copy
         def runtime_batched():
-            hipferry.configure_transfers(batched_copy="runtime")
+            configure_transfers(batched_copy="runtime")
             try:
-                return hipferry.prefetch(srcs, dev).wait()
+                return prefetch(srcs, dev).wait()
             finally:
-                hipferry.configure_transfers(batched_copy=previous)
-        hipferry.configure_transfers(batched_copy="kernel")
+                configure_transfers(batched_copy=previous)
+        configure_transfers(batched_copy="kernel")
         cs[f"hipferry prefetch(list of {count}), runtime batched copy"] = runtime_batched
     _check(cs, refs, gpu)
     clock = _Clock(gpu)
     try:
         best = clock.race(cs, 3 if ctx.quick else max(ctx.repeats, 5))
     finally:
-        hipferry.configure_transfers(batched_copy=previous)
+        configure_transfers(batched_copy=previous)
     if gpu:  # say so when the runtime had no batched copy and the kernel ran instead
-        effective = hipferry.configure_transfers(batched_copy="runtime")["batched_copy"]
-        hipferry.configure_transfers(batched_copy=previous)
+        effective = configure_transfers(batched_copy="runtime")["batched_copy"]
+        configure_transfers(batched_copy=previous)
         if effective != "runtime":
             best = {(k + " [unavailable: ran the kernel]" if k.endswith("runtime batched copy") else k): v
                     for k, v in best.items()}
@@ -182,7 +183,7 @@ def _overlap(ctx, dev, rows, notes, step):
     if not gpu:  # matmuls on one core, the worker's copy on the other
         torch.set_num_threads(1)
     try:
-        src = hipferry.default_pool().empty(nbytes // 4).uniform_()
+        src = default_pool().empty(nbytes // 4).uniform_()
         ref = src.to(dev, copy=True)
         m = 2048 if gpu else 128
         a, b = torch.randn(m, m, device=dev), torch.randn(m, m, device=dev)
@@ -193,7 +194,7 @@ def _overlap(ctx, dev, rows, notes, step):
                 torch.mm(a, b, out=c)
 
         def copy():
-            return hipferry.prefetch(src, dev).wait()
+            return prefetch(src, dev).wait()
 
         _check({"hipferry prefetch": copy}, ref, gpu)
         clock, rounds = _Clock(gpu), 10 if ctx.quick else max(ctx.repeats, 10)  # cheap; first runs fault pages
@@ -201,7 +202,7 @@ def _overlap(ctx, dev, rows, notes, step):
         k = max(1, round(one["copy"] / one["compute x1"]))
 
         def overlapped():
-            t = hipferry.prefetch(src, dev)
+            t = prefetch(src, dev)
             compute(k)
             return t.wait()
 
@@ -224,15 +225,15 @@ def _overlap(ctx, dev, rows, notes, step):
 
 
 def _trace(ctx, dev, src, compute, k, notes, gpu):
-    """One overlapped run under hipferry.trace(), drawn as a timeline."""
-    with hipferry.trace() as tr:
-        with hipferry.trace_region("prefetch() call"):
-            t = hipferry.prefetch(src, dev)
-        with hipferry.trace_region("compute"):
+    """One overlapped run under trace(), drawn as a timeline."""
+    with trace() as tr:
+        with trace_region("prefetch() call"):
+            t = prefetch(src, dev)
+        with trace_region("compute"):
             compute(k)
             if gpu:  # the region spans the matmuls on the device, not just their launches
                 torch.cuda.current_stream().synchronize()
-        with hipferry.trace_region("wait() call"):
+        with trace_region("wait() call"):
             t.wait()
         if gpu:
             torch.cuda.synchronize()
@@ -262,7 +263,7 @@ def _copy_cast(ctx, dev, rows, step):
     pinned = torch.randn(nbytes // 4).pin_memory()
     ref = pinned.to(torch.bfloat16).to(dev)
     hf_name, torch_name = "hipferry prefetch(dtype=bfloat16)", "torch .to(dev, bfloat16, non_blocking)"
-    cs = {hf_name: lambda: hipferry.prefetch(pinned, dev, dtype=torch.bfloat16).wait(),
+    cs = {hf_name: lambda: prefetch(pinned, dev, dtype=torch.bfloat16).wait(),
           torch_name: lambda: pinned.to(dev, torch.bfloat16, non_blocking=True)}
     _check(cs, ref, True)
     peak = {}

@@ -224,7 +224,7 @@ def call_ops():
 
 
 def call_pool_constants():
-    # Read by hipferry.pool_args (test_pool.py checks the values).
+    # Read by hipferry.pool_args (test_pool_arguments.py checks the values).
     flags = _C.HOST_ALLOC_FLAGS
     assert isinstance(flags, dict) and all(isinstance(v, int) and v > 0 for v in flags.values())
     assert "auto" in _C.HOST_MEMORY_PROVIDERS and _C.RESERVE_GRANULE % 4096 == 0

@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import hipferry
-from offload_module_helpers import DEVICES, assert_same_grads
+from offload_module_helpers import DEVICES, assert_same_grads, model_and_reference
 
 
 class TanhBlock(nn.Module):
@@ -88,11 +88,14 @@ def test_one_slot_ring_with_group_checkpointing_is_a_clear_error(device):
         assert torch.equal(model(x), ref(x))
 
 
+def linear_stack(depth, width):
+    """`depth` square linear layers: each one a block."""
+    return nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_weight_gradients_in_flight_to_the_host_stay_bounded(device):
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(8)]).to(device)
-    ref = copy.deepcopy(model)
+    model, ref = model_and_reference(linear_stack, device, depth=8, width=256)
     handle = hipferry.offload_layers(model, prefetch=1, device=device)
     x = torch.randn(16, 256, device=device)
     model(x).square().sum().backward()
@@ -119,9 +122,7 @@ def test_activation_records_do_not_pile_up_over_steps():
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_one_slot_ring_trains(device):
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)]).to(device)
-    ref = copy.deepcopy(model)
+    model, ref = model_and_reference(linear_stack, device, depth=4, width=32)
     handle = hipferry.offload_layers(model, prefetch=0, device=device)
     x = torch.randn(8, 32, device=device)
     for _ in range(2):
@@ -170,10 +171,9 @@ def test_autocast_weight_copies_are_saved_as_references(device):
     """Under autocast the matmuls save a bfloat16 copy of each weight (or its
     transpose): those are recognized and made again in backward instead of
     being kept on the device for every block, and the gradients stay identical."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 64), nn.Sequential(*[LNMLPBlock() for _ in range(4)]),
-                          nn.Linear(64, 4)).to(device)
-    ref = copy.deepcopy(model)
+    model, ref = model_and_reference(
+        lambda: nn.Sequential(nn.Linear(16, 64), nn.Sequential(*[LNMLPBlock() for _ in range(4)]), nn.Linear(64, 4)),
+        device)
     handle = hipferry.offload_layers(model, prefetch=2, device=device)
     x = torch.randn(32, 16, device=device)
     for step in range(2):

@@ -11,7 +11,7 @@ from torch import nn
 
 import hipferry
 from offload_module_helpers import (MLPNet, assert_same, assert_same_grads, assert_same_outputs, make_gpt, make_mlp,
-                                    model_and_reference, pool_in_use, snapshot_params)
+                                    model_and_reference, pool_in_use, snapshot_params, train_step)
 from conftest import gpu_available
 
 
@@ -49,6 +49,16 @@ def check_rejected(call, exc, patterns, model, ref, pool):
 @pytest.fixture
 def gpt():
     return model_and_reference(make_gpt, "cpu")
+
+
+@pytest.fixture
+def offloaded_gpt(pool):
+    """make_gpt's model with its blocks offloaded on the host path, its reference, and the
+    handle; undone after the test (a second undo does nothing)."""
+    model, ref = model_and_reference(make_gpt, "cpu")
+    handle = hipferry.offload_layers(model, pool=pool, device="cpu")
+    yield model, ref, handle
+    handle.undo()
 
 
 # ------------------------------------------------------------------ arguments
@@ -177,9 +187,8 @@ def test_pool_too_small(pool):
 
 
 # ------------------------------------------------------------------ after offload
-def test_offloading_the_same_blocks_twice(pool):
-    model, ref = model_and_reference(make_gpt, "cpu")
-    handle = hipferry.offload_layers(model, pool=pool, device="cpu")
+def test_offloading_the_same_blocks_twice(pool, offloaded_gpt):
+    model, ref, handle = offloaded_gpt
     before = snapshot_params(model)
     usage = pool_in_use(pool)
     hooks = [(list(b._forward_pre_hooks), list(b._forward_hooks)) for b in model.blocks]
@@ -201,9 +210,8 @@ def test_offloading_the_same_blocks_twice(pool):
     again.undo()
 
 
-def test_parameter_replaced_after_offload(pool):
-    model, _ = model_and_reference(make_gpt, "cpu")
-    handle = hipferry.offload_layers(model, pool=pool, device="cpu")
+def test_parameter_replaced_after_offload(offloaded_gpt):
+    model, _, handle = offloaded_gpt
     p = model.blocks[1].fc2.weight
     p.data = p.data.clone()  # what model.to(...) does to every parameter
     with pytest.raises(RuntimeError, match=r"'blocks\.1\.fc2\.weight' was moved or replaced.*undo\(\)"):
@@ -211,9 +219,8 @@ def test_parameter_replaced_after_offload(pool):
     handle.undo()
 
 
-def test_weight_modified_between_forward_and_backward(pool):
-    model, _ = model_and_reference(make_gpt, "cpu")
-    handle = hipferry.offload_layers(model, pool=pool, device="cpu")
+def test_weight_modified_between_forward_and_backward(offloaded_gpt):
+    model, _, handle = offloaded_gpt
     loss = model(model.example(0)).square().mean()
     with torch.no_grad():
         model.blocks[2].fc1.weight.add_(1.0)  # as an optimizer step before backward would
@@ -223,10 +230,9 @@ def test_weight_modified_between_forward_and_backward(pool):
     handle.undo()
 
 
-def test_training_continues_after_a_failed_backward(pool):
+def test_training_continues_after_a_failed_backward(offloaded_gpt):
     # A backward that raised must not break the next ones: their block gradients still arrive.
-    model, ref = model_and_reference(make_gpt, "cpu")
-    handle = hipferry.offload_layers(model, pool=pool, device="cpu")
+    model, ref, _ = offloaded_gpt
     loss = model(model.example(0)).square().mean()
     with torch.no_grad():
         for m in (model, ref):
@@ -236,30 +242,24 @@ def test_training_continues_after_a_failed_backward(pool):
     del loss
     model.zero_grad()
     x = model.example(1)
-    for m in (model, ref):
-        m(x).square().mean().backward()
+    train_step(model, x), train_step(ref, x)
     assert_same_grads(model, ref)
-    handle.undo()
 
 
-def test_exception_inside_a_block_leaves_the_model_working(pool):
-    model, ref = model_and_reference(make_gpt, "cpu")
-    handle = hipferry.offload_layers(model, pool=pool, device="cpu")
+def test_exception_inside_a_block_leaves_the_model_working(offloaded_gpt):
+    model, ref, _ = offloaded_gpt
     params = dict(model.named_parameters())
     with pytest.raises(RuntimeError):
         model.blocks[1](torch.zeros(2, 3, 5))  # wrong width: fails inside the block
     assert all(p is params[n] for n, p in model.named_parameters())  # the host parameters are back in place
     assert all(p.device.type == "cpu" for p in model.blocks.parameters())
     x = model.example(0)
-    for m in (model, ref):
-        m(x).square().mean().backward()
+    train_step(model, x), train_step(ref, x)
     assert_same_grads(model, ref)
-    handle.undo()
 
 
-def test_undo_between_forward_and_backward(pool):
-    model, _ = model_and_reference(make_gpt, "cpu")
-    handle = hipferry.offload_layers(model, pool=pool, device="cpu")
+def test_undo_between_forward_and_backward(offloaded_gpt):
+    model, _, handle = offloaded_gpt
     loss = model(model.example(0)).square().mean()
     handle.undo()
     with pytest.raises(RuntimeError, match=r"backward needs weights of block 'blocks\.\d'.*undone after forward"):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hipferry
-from test_pool import pool  # noqa: F401  (the 256 MiB pool fixture, checked and closed after each test)
+from pool_helpers import pool  # noqa: F401  (the 256 MiB pool fixture, checked and closed after each test)
 
 PAGE = 4096
 
