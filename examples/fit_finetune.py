@@ -16,14 +16,12 @@ the message names the smallest that works).
 """
 import argparse
 import json
-import statistics
 import sys
-import time
 
 import torch
 
 import hipferry
-from hipferry.planner import HighWater, PlanError, rss_bytes
+from hipferry.planner import PlanError, rss_bytes, run_steps
 
 
 def build_model(hidden: int, layers: int, vocab: int, seq: int) -> torch.nn.Module:
@@ -74,19 +72,10 @@ def main(argv=None) -> int:
     except (TypeError, ValueError) as e:  # a budget that is not a size, a folder that cannot be written
         ap.error(str(e))
     opt = plan.apply(model, lr=args.lr).optimizer
-    high = HighWater()
-    times, losses = [], []
-    for step in range(args.steps):
-        t0 = time.perf_counter()
-        loss = model(**batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t0)
-        losses.append(loss.item())
-        print(f"step {step + 1}/{args.steps}: loss {losses[-1]:.4f} ({times[-1]:.3f} s)", flush=True)
-    grown, how = high.growth()
-    measured_growth, measured_step = high.start + grown - held, statistics.median(times[1:])
+    r = run_steps(model, batch, opt, args.steps, on_step=lambda i, loss, s: print(
+        f"step {i + 1}/{args.steps}: loss {loss:.4f} ({s:.3f} s)", flush=True))
+    times, losses, how = r.step_seconds, r.losses, r.measured_by
+    measured_growth, measured_step = r.peak_bytes - held, r.median_step
     c = plan.chosen
     predicted_growth = c.host_peak - held
     print(f"\nstate home: {c.home}")

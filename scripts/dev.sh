@@ -24,7 +24,7 @@
 #                            Each step prints its time when it ends. Compilers run through ccache
 #                            (HIPFERRY_CCACHE=0: not), so the builds share objects.
 #   scripts/dev.sh check     the inner loop: deps, build, lint, the C++ tests but the exhaustive ones,
-#                            the Python tests not marked slow (a few minutes with a warm ccache)
+#                            every Python test module once (a few minutes with a warm ccache)
 #   scripts/dev.sh lint      ruff over the Python (rules in pyproject.toml; `test` runs it first)
 #   scripts/dev.sh deps | build | older-torch | cpu-variants | check-gpu-builds | check-cpu-build | sanitize | tsan
 #                            the single steps (older-torch needs the wheel build made in dist/)
@@ -231,14 +231,16 @@ lint() {
   $PY -m ruff check python tests examples scripts
 }
 
-# The inner loop (at most a few minutes with a warm ccache): build, the C++ tests but the
-# exhaustive ones, the Python tests not marked slow. `test` stays the whole matrix.
+# The inner loop (a few minutes with a warm ccache): build, the C++ tests but the exhaustive
+# ones, and every Python test module once (each binding, op and opcheck, and one test of
+# every other module: Note [older-torch subset]); run the modules you touched in full
+# beside it. `test` stays the whole matrix (the whole Python suite took 20 min here).
 check() {
   deps; use_ccache; build; lint
   step "C++ tests of the installed build, but the exhaustive ones"
   ctest --test-dir "$BUILD_DIR" --output-on-failure -LE exhaustive -j "$JOBS"
-  step "Python tests not marked slow"
-  $PY -m pytest -q -ra -m "not slow" tests/python
+  step "Python: every module once (--subset older-torch)"
+  $PY -m pytest -q -ra -p no:cacheprovider --subset older-torch tests/python
 }
 
 run_tests() {

@@ -7,7 +7,6 @@ python -m hipferry.bench.plan_run '{"hidden": 512, "layers": 8, "vocab": 8192,
     "batch": 2, "seq": 128, "home": "host-8bit", "state_dir": "/tmp/x", "steps": 4}'"""
 import json
 import sys
-import time
 
 
 def llama(hidden: int, layers: int, vocab: int, seq: int):
@@ -23,7 +22,7 @@ def llama(hidden: int, layers: int, vocab: int, seq: int):
 def run(spec: dict) -> dict:
     import torch
 
-    from ..planner import HighWater, plan, rss_bytes
+    from ..planner import plan, rss_bytes, run_steps
     device = torch.device(spec.get("device", "cpu"))
     model = llama(spec["hidden"], spec["layers"], spec["vocab"], spec["seq"]).to(device)
     ids = torch.randint(0, spec["vocab"], (spec["batch"], spec["seq"]), generator=torch.Generator().manual_seed(1))
@@ -32,24 +31,13 @@ def run(spec: dict) -> dict:
     p = plan(model, batch=batch, state_dir=spec["state_dir"], host_memory=1 << 50, disk_budget=1 << 50,
                       verbose=False)
     opt = p.apply(model, home=spec["home"], lr=1e-4).optimizer
-    high = HighWater()  # from RSS now (the plan's pass already left what it leaves)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    times, losses = [], []
-    for _ in range(spec["steps"]):
-        t0 = time.perf_counter()
-        loss = model(**batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t0)
-        losses.append(loss.item())  # (synchronizes a GPU)
-    grown, how = high.growth()
+    r = run_steps(model, batch, opt, spec["steps"])
     device_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
-    peak = high.start + grown
-    return {"home": spec["home"], "params": p.profile.numel, "held_bytes": held, "peak_bytes": peak,
-            "measured_growth": peak - held, "measured_by": how,
-            "device_peak_bytes": device_peak, "step_times": times, "losses": losses,
+    return {"home": spec["home"], "params": p.profile.numel, "held_bytes": held, "peak_bytes": r.peak_bytes,
+            "measured_growth": r.peak_bytes - held, "measured_by": r.measured_by,
+            "device_peak_bytes": device_peak, "step_times": r.step_seconds, "losses": r.losses,
             "candidates": p.explain(as_dict=True)["candidates"], "fwd_bwd_seconds": p.profile.fwd_bwd_seconds}
 
 

@@ -18,7 +18,7 @@ from .harness import Context, SuiteResult, suite
 SIZES = {  # name: (hidden, layers, vocab), batch 2 x 128 tokens
     "llama-9m": (256, 6, 8192),
     "llama-33m": (512, 8, 8192),
-    "llama-85m": (768, 10, 16384),
+    "llama-96m": (768, 10, 16384),
 }
 QUICK_SIZES = {"llama-2m": (128, 2, 2048)}
 FAMILIES = {"all homes": None, "float32 homes": ("torch", "host-float32", "disk-float32")}

@@ -80,34 +80,41 @@ def calibrate(device: Optional[torch.device] = None, *, refresh: bool = False) -
     if not refresh:
         if key in _cache:
             return dict(_cache[key])
-        try:
-            with open(path) as f:
-                stored = json.load(f).get(key)
-            if stored:
-                _cache[key] = stored
-                return dict(stored)
-        except (OSError, ValueError):
-            pass
+        stored = load_cached(path).get(key)
+        if stored:
+            _cache[key] = stored
+            return dict(stored)
     result = {"device": str(device), "cpu_adamw_params_per_s": _cpu_adamw_params_per_s(),
               "cpu_threads": torch.get_num_threads(), "measured": time.strftime("%Y-%m-%d %H:%M:%S")}
     if device.type == "cuda":
         result["link_h2d_gbps"], result["link_d2h_gbps"] = link_gbps(device)
     _cache[key] = result
+    store_cached(path, key, result)
+    return dict(result)
+
+
+def load_cached(path: str) -> dict:
+    """The measurements kept in `path` ({} when missing or unreadable)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def store_cached(path: str, key: str, value: dict) -> None:
+    """Keeps `value` under `key` in `path`, replaced atomically; a read-only home keeps
+    only the caller's in-memory cache."""
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        try:
-            with open(path) as f:
-                everything = json.load(f)
-        except (OSError, ValueError):
-            everything = {}
-        everything[key] = result
+        everything = load_cached(path)
+        everything[key] = value
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
             json.dump(everything, f, indent=1)
         os.replace(tmp, path)
     except OSError:
-        pass  # a read-only home still gets the in-memory cache
-    return dict(result)
+        pass
 
 
 def choose_engine(calibration: dict, low_precision_share: float, amsgrad: bool) -> tuple:

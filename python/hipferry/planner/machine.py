@@ -6,7 +6,6 @@ and write, with its flush), and the host link of a GPU.
 Cached in $HIPFERRY_CACHE_DIR/machine.json (default ~/.cache/hipferry), keyed by
 the machine (CPU, GPU, threads, torch, hipferry) and, for a disk, the
 filesystem the folder is on; refresh=True measures again."""
-import json
 import os
 import platform
 import tempfile
@@ -15,7 +14,7 @@ from typing import Callable, Dict, Optional
 
 import torch
 
-from ..optim import cache_file, link_gbps
+from ..optim import cache_file, link_gbps, load_cached, store_cached
 from ..optim.disk import RawIo
 
 _MiB = 1 << 20
@@ -102,40 +101,18 @@ def _filesystem_key(folder: str) -> str:
     return f"disk dev {os.major(st.st_dev)}:{os.minor(st.st_dev)}"
 
 
-def _load() -> dict:
-    try:
-        with open(cache_file("machine.json")) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return {}
-
-
-def _store(key: str, value: dict) -> None:
-    path = cache_file("machine.json")
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        everything = _load()
-        everything[key] = value
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(everything, f, indent=1)
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only home keeps the in-memory cache
-
-
 def _cached(key: str, refresh: bool, measure: Callable[[], dict], progress: Callable[[str], None], what: str) -> dict:
     if not refresh:
         if key in _memory:
             return dict(_memory[key])
-        stored = _load().get(key)
+        stored = load_cached(cache_file("machine.json")).get(key)
         if stored:
             _memory[key] = stored
             return dict(stored)
     progress(f"measuring {what} (once: cached in {cache_file('machine.json')})")
     value = dict(measure(), measured=time.strftime("%Y-%m-%d %H:%M:%S"))
     _memory[key] = value
-    _store(key, value)
+    store_cached(cache_file("machine.json"), key, value)
     return dict(value)
 
 

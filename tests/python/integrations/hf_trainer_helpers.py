@@ -29,13 +29,15 @@ def dataset(n: int = 16, seq: int = 16):
     return [{"input_ids": row, "labels": row} for row in ids]
 
 
+# The arguments every test's run shares (TrainingArguments and TRL's SFTConfig take them alike).
+COMMON_ARGS = dict(use_cpu=True, max_steps=STEPS, per_device_train_batch_size=4, logging_steps=1, report_to=[],
+                   save_strategy="no", seed=0, disable_tqdm=True, lr_scheduler_type="constant", learning_rate=1e-2,
+                   max_grad_norm=0.05, data_seed=0)
+
+
 def training_args(out_dir: str, **overrides):
     from transformers import TrainingArguments
-    kwargs = dict(output_dir=out_dir, use_cpu=True, max_steps=STEPS, per_device_train_batch_size=4,
-                  logging_steps=1, report_to=[], save_strategy="no", seed=0, disable_tqdm=True,
-                  lr_scheduler_type="constant", learning_rate=1e-2, max_grad_norm=0.05, data_seed=0)
-    kwargs.update(overrides)
-    return TrainingArguments(**kwargs)
+    return TrainingArguments(**{**COMMON_ARGS, "output_dir": out_dir, **overrides})
 
 
 def logged(trainer, key: str):
@@ -91,8 +93,4 @@ def tokenized_dataset():
 
 def sft_config(out_dir: str, **overrides):
     from trl import SFTConfig
-    kwargs = dict(output_dir=out_dir, use_cpu=True, max_steps=STEPS, per_device_train_batch_size=4,
-                  logging_steps=1, report_to=[], save_strategy="no", seed=0, disable_tqdm=True,
-                  lr_scheduler_type="constant", learning_rate=1e-2, max_grad_norm=0.05, data_seed=0)
-    kwargs.update(overrides)
-    return SFTConfig(**kwargs)
+    return SFTConfig(**{**COMMON_ARGS, "output_dir": out_dir, **overrides})
