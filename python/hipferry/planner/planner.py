@@ -309,9 +309,9 @@ def plan(model: nn.Module, *, batch: Any, optimizer: str = "adamw", gpu_memory: 
         budgets["disk"] = shutil.disk_usage(state_dir).free
     elif state_dir is not None:
         os.makedirs(state_dir, exist_ok=True)
-    # The first optimizer a process builds imports torch._dynamo (torch.optim's add_param_group
-    # is wrapped by it): 100-160 MB of resident memory the plan's optimizer would otherwise add
-    # after the process's holdings were read. One now, so they include it.
+    # The first optimizer a process builds imports torch's compiler stack (torch.optim wraps
+    # add_param_group with it): 100-160 MB of resident memory the plan's optimizer would
+    # otherwise add after the process's holdings were read. One now, so they include it.
     torch.optim.AdamW([nn.Parameter(torch.zeros(1))])
     held = max(0, rss_bytes())
     machine = measure_machine(device, state_dir, refresh=refresh, progress=progress)
