@@ -18,6 +18,7 @@ import torch
 
 from .. import _C
 from .disk.options import QUANTUM, DiskOptions
+from .disk.store import window_size
 from .int8_store import MIN_8BIT_NUMEL
 
 HOMES = ("torch", "host-float32", "host-8bit", "disk-float32", "disk-8bit")
@@ -63,15 +64,6 @@ def home_cost(home: str, trainable: List[Tuple[int, torch.dtype]], on_gpu: bool,
     return HomeCost(_window_touched(home, trainable, amsgrad, disk), disk_bytes=2 * slot, disk_step_bytes=slot)
 
 
-def _window_bytes(trainable: List[Tuple[int, torch.dtype]], disk: DiskOptions) -> int:
-    """DiskStore._ensure_window's window: buffers for the longest chunk in the largest
-    format, as many as fit in window_bytes and no more than the state has chunks."""
-    longest = max(min(n, disk.chunk_numel) for n, _ in trainable)
-    buf = _C._disk_chunk_buffer_bytes("float32", True, _quantum_up(longest))
-    chunks = sum(-(-n // disk.chunk_numel) for n, _ in trainable)
-    return max(1, min(disk.window_bytes // buf, chunks)) * buf
-
-
 def _quantum_up(n: int) -> int:
     return max(QUANTUM, -(-n // QUANTUM) * QUANTUM)
 
@@ -81,7 +73,7 @@ def _window_touched(home: str, trainable: List[Tuple[int, torch.dtype]], amsgrad
     each format's pass (store.by_format) cuts the window into buffers for its own longest
     chunk (disk_bindings.cpp: pass_buffer_bytes), hands chunk i buffer i mod buffers
     (chunk_pipeline.cpp), and a chunk fills the start of its buffer."""
-    window = _window_bytes(trainable, disk)
+    window = window_size([n for n, _ in trainable], disk.chunk_numel, disk.window_bytes)
     spans = []
     for fmt in ("float32", "uint8"):
         group = [n for n, _ in trainable if _fmt(home, n) == fmt]

@@ -298,17 +298,16 @@ def plan(model: nn.Module, *, batch: Any, optimizer: str = "adamw", gpu_memory: 
     if not trainable_parameters(model):
         raise ValueError("hipferry.plan: the model has no trainable parameters (none with requires_grad=True)")
     progress = (lambda s: print(f"[hipferry.plan] {s}", file=sys.stderr, flush=True)) if verbose else (lambda s: None)
-    device = trainable_parameters(model)[0].device
+    device = next(p.device for p in model.parameters() if p.requires_grad)
     if budgets["host_memory"] is None:
         budgets["host_memory"] = _available_host() or None
     if budgets["gpu_memory"] is None and device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         budgets["gpu_memory"] = free + torch.cuda.memory_allocated(device)
-    if budgets["disk"] is None and state_dir is not None:
+    if state_dir is not None:
         os.makedirs(state_dir, exist_ok=True)
-        budgets["disk"] = shutil.disk_usage(state_dir).free
-    elif state_dir is not None:
-        os.makedirs(state_dir, exist_ok=True)
+        if budgets["disk"] is None:
+            budgets["disk"] = shutil.disk_usage(state_dir).free
     # The first optimizer a process builds imports torch's compiler stack (torch.optim wraps
     # add_param_group with it): 100-160 MB of resident memory the plan's optimizer would
     # otherwise add after the process's holdings were read. One now, so they include it.

@@ -214,15 +214,10 @@ class DiskStore:
                     flat.copy_(out)
 
     def _ensure_window(self) -> None:
-        """Window buffers for the longest chunk any parameter has, as many as fit in
-        window_bytes, and no more than the state has chunks."""
         m = self.manifest
         if not m.params:
             return
-        longest = max(min(w["numel"], m.chunk_numel) for w in m.params)
-        buf = _C._disk_chunk_buffer_bytes("float32", True, -(-longest // QUANTUM) * QUANTUM)  # (the largest format)
-        chunks = sum(m.chunks(i) for i in range(len(m.params)))
-        size = max(1, min(self.options.window_bytes // buf, chunks)) * buf
+        size = window_size([w["numel"] for w in m.params], m.chunk_numel, self.options.window_bytes)
         if self.window is None or self.window.numel() < size:
             self.window = _page_aligned(self.pool, size)
 
@@ -320,6 +315,16 @@ class DiskStore:
         if io is not None:
             io.close()
         self.lock.release()
+
+
+def window_size(numels: List[int], chunk_numel: int, window_bytes: int) -> int:
+    """The window's bytes: buffers for the longest chunk any parameter has, in the largest
+    format, as many as fit in window_bytes, and no more than the state has chunks (the
+    planner's estimate, optim/footprint.py, asks the same)."""
+    longest = max(min(n, chunk_numel) for n in numels)
+    buf = _C._disk_chunk_buffer_bytes("float32", True, -(-longest // QUANTUM) * QUANTUM)
+    chunks = sum(-(-n // chunk_numel) for n in numels)
+    return max(1, min(window_bytes // buf, chunks)) * buf
 
 
 def by_format(pairs: List[tuple]) -> List[tuple]:
