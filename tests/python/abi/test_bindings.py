@@ -108,7 +108,8 @@ def call_disk_bindings():
     data = torch.frombuffer(bytearray(b"123456789"), dtype=torch.uint8)
     assert _C._crc32c(data) == 0xE3069283 and isinstance(_C._crc32c_hardware(), bool)
     regions = _C._disk_regions("float32", False, 10)
-    assert regions == [4096] * 3 and _C._disk_chunk_buffer_bytes("uint8", False, 1 << 18) == (4 + 1 + 1) * (1 << 18) + 2 * 4096
+    assert regions == [4096] * 3
+    assert _C._disk_chunk_buffer_bytes("uint8", False, 1 << 18) == (4 + 1 + 1) * (1 << 18) + 2 * 4096
     with tempfile.TemporaryDirectory(dir=".") as d:
         io = _C.DiskIo("threads", 4, 1 << 20)
         files = [io.open(f"{d}/a{i}", True) for i in range(3)]
@@ -256,7 +257,7 @@ ENTRIES = {
 
 def declared_ops():
     text = (ROOT / "csrc/torch/ops.cpp").read_text()
-    return {f"op:{name}" for name in re.findall(r'm\.def\("(\w+)\(', text)}
+    return {f"op:{name}" for name in re.findall(r'm\.def\(\s*"(\w+)\(', text)}
 
 
 def test_every_binding_and_op_has_an_entry():
