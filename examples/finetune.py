@@ -303,7 +303,8 @@ def main(argv=None) -> int:
             ("device memory (peak)", dev),
             ("optimizer state on host", lambda r: mib(r["host_state_bytes"])),
             ("optimizer state on device", lambda r: mib(r["device_state_bytes"])),
-            ("process RSS at end (growth)", lambda r: f"{mib(r['rss_bytes'])} ({r['rss_growth_bytes'] / 2**20:+.1f} MiB)")]
+            ("process RSS at end (growth)",
+             lambda r: f"{mib(r['rss_bytes'])} ({r['rss_growth_bytes'] / 2**20:+.1f} MiB)")]
     print(f"\n{'':<28}{'hipferry OffloadAdamW':>26}{'torch.optim.AdamW':>26}")
     for label, cell in rows:
         print(f"{label:<28}{cell(h):>26}{cell(t):>26}")

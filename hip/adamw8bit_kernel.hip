@@ -50,8 +50,7 @@ __device__ std::uint8_t quantize(float x, float scale, const float* threshold, s
 }
 
 template <class Grad, class Out, bool kAmsgrad, bool kWriteOut>
-__global__ void adamw8bit_kernel(optim::AdamW8bitArrays a, optim::AdamWScalars s, CodeTables tables,
-                                 std::int64_t n) {
+__global__ void adamw8bit_kernel(optim::AdamW8bitArrays a, optim::AdamWScalars s, CodeTables tables, std::int64_t n) {
   __shared__ float code_m[q8::kCodes], code_v[q8::kCodes], thr_m[q8::kCodes], thr_v[q8::kCodes];
   __shared__ std::uint32_t red[3][kThreads];
   const int t = threadIdx.x;

@@ -4,8 +4,8 @@
 
 namespace hipferry::gpu {
 
-void launch_adamw8bit(const optim::AdamW8bitArrays& a, const optim::AdamWScalars& s, std::int64_t n,
-                      rt::StreamHandle, int) {
+void launch_adamw8bit(const optim::AdamW8bitArrays& a, const optim::AdamWScalars& s, std::int64_t n, rt::StreamHandle,
+                      int) {
   optim::adamw8bit_cpu(a, s, 0, n);
 }
 

@@ -14,7 +14,7 @@ namespace hipferry::gpu {
 // Every pointer in `a` is device-accessible (device memory or mapped pinned
 // host memory). Enqueued on `stream` of `device`; throws rt::Error if the
 // launch fails. The CPU-only build runs optim::adamw_cpu in place.
-void launch_adamw(const optim::AdamWArrays& a, const optim::AdamWScalars& s, std::int64_t n,
-                  rt::StreamHandle stream, int device);
+void launch_adamw(const optim::AdamWArrays& a, const optim::AdamWScalars& s, std::int64_t n, rt::StreamHandle stream,
+                  int device);
 
 }  // namespace hipferry::gpu

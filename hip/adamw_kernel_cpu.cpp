@@ -4,8 +4,7 @@
 
 namespace hipferry::gpu {
 
-void launch_adamw(const optim::AdamWArrays& a, const optim::AdamWScalars& s, std::int64_t n, rt::StreamHandle,
-                  int) {
+void launch_adamw(const optim::AdamWArrays& a, const optim::AdamWScalars& s, std::int64_t n, rt::StreamHandle, int) {
   optim::adamw_cpu(a, s, 0, n);
 }
 

@@ -37,7 +37,7 @@ std::size_t batched_copy_table_bytes(std::size_t jobs);
 // use on the stream). Jobs with count 0 are skipped. Throws rt::Error if the
 // launch fails, std::invalid_argument for a negative count. On the CPU-only
 // build the jobs run in place, in order, and the table is not used.
-void launch_batched_copy(const CopyJobSpec* jobs, std::size_t n_jobs, void* table_host,
-                         const void* table_device, rt::StreamHandle stream, int device);
+void launch_batched_copy(const CopyJobSpec* jobs, std::size_t n_jobs, void* table_host, const void* table_device,
+                         rt::StreamHandle stream, int device);
 
 }  // namespace hipferry::gpu

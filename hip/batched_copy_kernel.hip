@@ -38,9 +38,15 @@ __device__ void convert_range(const DeviceJob& j, std::int64_t begin, std::int64
 template <class From>
 __device__ void convert_from(const DeviceJob& j, std::int64_t begin, std::int64_t end) {
   switch (static_cast<ElementType>(j.dst_type)) {
-    case ElementType::kFloat32: convert_range<From, Float32>(j, begin, end); break;
-    case ElementType::kFloat16: convert_range<From, Float16>(j, begin, end); break;
-    case ElementType::kBFloat16: convert_range<From, BFloat16>(j, begin, end); break;
+    case ElementType::kFloat32:
+      convert_range<From, Float32>(j, begin, end);
+      break;
+    case ElementType::kFloat16:
+      convert_range<From, Float16>(j, begin, end);
+      break;
+    case ElementType::kBFloat16:
+      convert_range<From, BFloat16>(j, begin, end);
+      break;
   }
 }
 
@@ -49,7 +55,10 @@ __global__ void batched_copy_kernel(const DeviceJob* __restrict__ jobs, int n_jo
     int lo = 0, hi = n_jobs - 1;  // the last job whose first tile is <= tile
     while (lo < hi) {
       const int mid = (lo + hi + 1) / 2;
-      if (jobs[mid].first_tile <= tile) lo = mid; else hi = mid - 1;
+      if (jobs[mid].first_tile <= tile)
+        lo = mid;
+      else
+        hi = mid - 1;
     }
     const DeviceJob j = jobs[lo];
     const std::int64_t begin = (tile - j.first_tile) * kTileItems;
@@ -64,9 +73,15 @@ __global__ void batched_copy_kernel(const DeviceJob* __restrict__ jobs, int n_jo
       for (std::int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) dst[i] = src[i];
     } else {
       switch (static_cast<ElementType>(j.src_type)) {
-        case ElementType::kFloat32: convert_from<Float32>(j, begin, end); break;
-        case ElementType::kFloat16: convert_from<Float16>(j, begin, end); break;
-        case ElementType::kBFloat16: convert_from<BFloat16>(j, begin, end); break;
+        case ElementType::kFloat32:
+          convert_from<Float32>(j, begin, end);
+          break;
+        case ElementType::kFloat16:
+          convert_from<Float16>(j, begin, end);
+          break;
+        case ElementType::kBFloat16:
+          convert_from<BFloat16>(j, begin, end);
+          break;
       }
     }
   }
@@ -85,9 +100,15 @@ void launch_batched_copy(const CopyJobSpec* jobs, std::size_t n_jobs, void* tabl
   std::int64_t tiles = 0;
   for (std::size_t k = 0; k < n_jobs; ++k) {
     const CopyJobSpec& s = jobs[k];
-    if (s.count < 0) throw std::invalid_argument("launch_batched_copy: job " + std::to_string(k) + " has a negative count");
+    if (s.count < 0)
+      throw std::invalid_argument("launch_batched_copy: job " + std::to_string(k) + " has a negative count");
     if (s.count == 0) continue;
-    DeviceJob j{s.src, s.dst, s.count, tiles, kConvert, static_cast<std::uint8_t>(s.src_type),
+    DeviceJob j{s.src,
+                s.dst,
+                s.count,
+                tiles,
+                kConvert,
+                static_cast<std::uint8_t>(s.src_type),
                 static_cast<std::uint8_t>(s.dst_type)};
     if (!s.convert) {
       const bool vectors = aligned16(s.src) && aligned16(s.dst) && s.count % 16 == 0;

@@ -29,13 +29,12 @@ inline int current_device_or_minus_one() {
 
 // HIPFERRY_CHECK(hipFoo(...)) on the current device;
 // HIPFERRY_CHECK_ON(device, hipFoo(...)) when the device is known.
-#define HIPFERRY_CHECK_ON(device, call)                                      \
-  do {                                                                       \
-    const hipError_t hipferry_err_ = (call);                                 \
-    if (hipferry_err_ != hipSuccess) {                                       \
-      (void)hipGetLastError();                                               \
-      ::hipferry::rt::throw_runtime_error(hipferry_err_, #call, (device));   \
-    }                                                                        \
+#define HIPFERRY_CHECK_ON(device, call)                                    \
+  do {                                                                     \
+    const hipError_t hipferry_err_ = (call);                               \
+    if (hipferry_err_ != hipSuccess) {                                     \
+      (void)hipGetLastError();                                             \
+      ::hipferry::rt::throw_runtime_error(hipferry_err_, #call, (device)); \
+    }                                                                      \
   } while (0)
-#define HIPFERRY_CHECK(call) \
-  HIPFERRY_CHECK_ON(::hipferry::rt::current_device_or_minus_one(), call)
+#define HIPFERRY_CHECK(call) HIPFERRY_CHECK_ON(::hipferry::rt::current_device_or_minus_one(), call)

@@ -13,7 +13,7 @@ namespace hipferry::gpu {
 // `device`: ONE kernel, no temporary buffer. `src` and `dst` are addresses the
 // device can read/write: device memory or mapped pinned host memory (pass the
 // pointer from rt::host_device_pointer). Throws rt::Error if the launch fails.
-void launch_copy_cast(const void* src, ElementType src_type, void* dst, ElementType dst_type,
-                      std::int64_t n, rt::StreamHandle stream, int device);
+void launch_copy_cast(const void* src, ElementType src_type, void* dst, ElementType dst_type, std::int64_t n,
+                      rt::StreamHandle stream, int device);
 
 }  // namespace hipferry::gpu

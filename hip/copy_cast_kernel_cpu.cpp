@@ -5,8 +5,8 @@
 
 namespace hipferry::gpu {
 
-void launch_copy_cast(const void* src, ElementType src_type, void* dst, ElementType dst_type,
-                      std::int64_t n, rt::StreamHandle, int) {
+void launch_copy_cast(const void* src, ElementType src_type, void* dst, ElementType dst_type, std::int64_t n,
+                      rt::StreamHandle, int) {
   copy_cast_cpu(src, src_type, dst, dst_type, 0, n);
 }
 

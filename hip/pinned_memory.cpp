@@ -75,14 +75,13 @@ void HostAllocProvider::release(const pool::HostSegment& segment, std::size_t) n
   }
 }
 
-std::string HostAllocProvider::describe() const {
-  return "hipHostMalloc(" + describe_host_flags(flags_) + ")";
-}
+std::string HostAllocProvider::describe() const { return "hipHostMalloc(" + describe_host_flags(flags_) + ")"; }
 
 pool::HostSegment HostRegisterProvider::allocate(std::size_t bytes, int numa_node) {
   const std::size_t size = pool::round_up(bytes, kHugePage);
   char* p = static_cast<char*>(std::aligned_alloc(kHugePage, size));
-  if (p == nullptr) throw std::runtime_error("aligned_alloc: out of host memory for " + std::to_string(size) + " bytes");
+  if (p == nullptr)
+    throw std::runtime_error("aligned_alloc: out of host memory for " + std::to_string(size) + " bytes");
   try {
     if (numa_node >= 0) pool::bind_to_node(p, size, numa_node);  // before the first touch places the pages
     pool::touch_pages(p, size, threads_);
@@ -177,8 +176,6 @@ class StreamOrWorkerEventSource : public pool::UseEventSource {
 
 }  // namespace
 
-std::unique_ptr<pool::UseEventSource> make_use_event_source() {
-  return std::make_unique<StreamOrWorkerEventSource>();
-}
+std::unique_ptr<pool::UseEventSource> make_use_event_source() { return std::make_unique<StreamOrWorkerEventSource>(); }
 
 }  // namespace hipferry

@@ -14,22 +14,19 @@
 
 #define HIPFERRY_PLATFORM_NAME "rocm"
 // HIP reports the gfx target directly, e.g. "gfx90a:sramecc+:xnack-".
-inline const char* hipferry_arch_name(const hipDeviceProp_t& p, char*, int) {
-  return p.gcnArchName;
-}
+inline const char* hipferry_arch_name(const hipDeviceProp_t& p, char*, int) { return p.gcnArchName; }
 
 // Many copies in one runtime call: hipferry binds no batched copy of HIP's
 // (whether to use one is the transfer engine's choice: BatchedCopy in
 // csrc/torch/transfer_paths.h), so the call reports "not supported".
-inline hipError_t hipferry_memcpy_batch_async(void* const*, const void* const*, const size_t*, size_t,
-                                              hipStream_t) {
+inline hipError_t hipferry_memcpy_batch_async(void* const*, const void* const*, const size_t*, size_t, hipStream_t) {
   return hipErrorNotSupported;
 }
 
 #else  // NVIDIA
 
-#include <cstdio>
 #include <cuda_runtime.h>
+#include <cstdio>
 
 #define HIPFERRY_PLATFORM_NAME "cuda"
 
@@ -95,7 +92,6 @@ using hipEvent_t = cudaEvent_t;
 
 #define hipErrorNotSupported cudaErrorNotSupported
 
-
 // Many copies in one runtime call: cudaMemcpyBatchAsync (CUDA 12.8+; 13.0
 // made its pointers const and dropped the failIdx argument). Each copy may
 // start as soon as the stream reaches the batch. Errors that mean "not here"
@@ -112,9 +108,9 @@ inline hipError_t hipferry_memcpy_batch_async(void* const* dsts, const void* con
   const cudaError_t err = cudaMemcpyBatchAsync(dsts, srcs, sizes, count, &attr, &attr_index, 1, stream);
 #else
   size_t fail_index = 0;
-  const cudaError_t err = cudaMemcpyBatchAsync(const_cast<void**>(dsts), const_cast<void**>(srcs),
-                                               const_cast<size_t*>(sizes), count, &attr, &attr_index, 1,
-                                               &fail_index, stream);
+  const cudaError_t err =
+      cudaMemcpyBatchAsync(const_cast<void**>(dsts), const_cast<void**>(srcs), const_cast<size_t*>(sizes), count, &attr,
+                           &attr_index, 1, &fail_index, stream);
 #endif
   if (err == cudaErrorCallRequiresNewerDriver || err == cudaErrorInvalidValue || err == cudaErrorNotSupported) {
     (void)cudaGetLastError();

@@ -36,12 +36,12 @@ BuildInfo build_info();
 struct DeviceInfo {
   int index;
   std::string name;
-  std::string arch;            // "gfx90a:sramecc+:xnack-", "sm_90"
-  std::size_t total_memory;    // bytes
-  std::size_t free_memory;     // bytes, at the time of the call
-  int multiprocessors;         // CUs on AMD, SMs on NVIDIA
-  bool can_map_host_memory;    // pinned host memory readable by kernels
-  std::string pci_bus_id;      // "0000:65:00.0" (sysfs spelling: its NUMA node is under /sys/bus/pci/devices)
+  std::string arch;          // "gfx90a:sramecc+:xnack-", "sm_90"
+  std::size_t total_memory;  // bytes
+  std::size_t free_memory;   // bytes, at the time of the call
+  int multiprocessors;       // CUs on AMD, SMs on NVIDIA
+  bool can_map_host_memory;  // pinned host memory readable by kernels
+  std::string pci_bus_id;    // "0000:65:00.0" (sysfs spelling: its NUMA node is under /sys/bus/pci/devices)
 };
 
 int device_count();  // 0 when no device (or no driver); never throws for that

@@ -47,8 +47,7 @@ void* host_alloc(std::size_t bytes, unsigned) {
   const std::size_t rounded = (bytes + kPageSize - 1) / kPageSize * kPageSize;
   void* p = std::aligned_alloc(kPageSize, rounded == 0 ? kPageSize : rounded);
   if (p == nullptr) {
-    throw Error("hipferry: host_alloc failed: out of host memory for " + std::to_string(bytes) +
-                " bytes");
+    throw Error("hipferry: host_alloc failed: out of host memory for " + std::to_string(bytes) + " bytes");
   }
   return p;
 }
@@ -61,9 +60,7 @@ void* host_device_pointer_or_null(void* host_ptr) noexcept { return host_ptr; }
 void* device_alloc(std::size_t, int device) { no_device("device_alloc", device); }
 void device_free(void*, int device) { no_device("device_free", device); }
 
-void memcpy_async(void* dst, const void* src, std::size_t bytes, StreamHandle) {
-  std::memcpy(dst, src, bytes);
-}
+void memcpy_async(void* dst, const void* src, std::size_t bytes, StreamHandle) { std::memcpy(dst, src, bytes); }
 bool memcpy_batch_async(void* const* dsts, const void* const* srcs, const std::size_t* sizes, std::size_t count,
                         StreamHandle) {
   for (std::size_t i = 0; i < count; ++i) std::memcpy(dsts[i], srcs[i], sizes[i]);

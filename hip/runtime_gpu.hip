@@ -125,9 +125,7 @@ bool Event::query() const {
   return true;
 }
 
-void Event::synchronize() const {
-  HIPFERRY_CHECK_ON(device_, hipEventSynchronize(static_cast<hipEvent_t>(handle_)));
-}
+void Event::synchronize() const { HIPFERRY_CHECK_ON(device_, hipEventSynchronize(static_cast<hipEvent_t>(handle_))); }
 
 void Event::block_stream(StreamHandle stream) const {
   HIPFERRY_CHECK_ON(device_, hipStreamWaitEvent(native(stream), static_cast<hipEvent_t>(handle_), 0));

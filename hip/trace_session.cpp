@@ -26,7 +26,7 @@ struct Anchor {
 
 std::atomic<bool> session_active{false};
 std::atomic<std::uint64_t> session_number{0};  // spans begun in one session are dropped by another
-std::mutex mutex;  // guards the three below; never held across a runtime call
+std::mutex mutex;                              // guards the three below; never held across a runtime call
 trace::TraceRecorder recorder;
 std::vector<PendingSpan> pending;
 std::map<int, Anchor> anchors;
@@ -59,8 +59,9 @@ std::int64_t now_ns() {
 void start() {
   std::lock_guard<std::mutex> lock(mutex);
   if (session_active.load()) {
-    throw std::logic_error("hipferry.trace: a trace is already active; expected one trace at a time (nesting "
-                           "is not supported)");
+    throw std::logic_error(
+        "hipferry.trace: a trace is already active; expected one trace at a time (nesting "
+        "is not supported)");
   }
   recorder.clear();
   pending.clear();
@@ -105,8 +106,8 @@ void add_host_span(std::string name, std::string category, std::string track, st
                                  end_ns < start_ns ? start_ns : end_ns, bytes});
 }
 
-StreamSpan::StreamSpan(int device, rt::StreamHandle stream, std::string track, std::string name,
-                       std::string category, std::size_t bytes)
+StreamSpan::StreamSpan(int device, rt::StreamHandle stream, std::string track, std::string name, std::string category,
+                       std::size_t bytes)
     : device_(device),
       stream_(stream),
       track_(std::move(track)),

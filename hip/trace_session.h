@@ -11,9 +11,9 @@
 #include <string>
 #include <vector>
 
-#include "hip/runtime.h"
 #include "csrc/core/schedule/stream.h"
 #include "csrc/core/trace/trace_recorder.h"
+#include "hip/runtime.h"
 
 namespace hipferry::tracing {
 

@@ -62,7 +62,8 @@ def main() -> int:
     compat, record = installed_module("torch_compat"), installed_module("_build_config")
     problem = compat.mismatch(record, torch.__version__, torch.version.hip, torch.version.cuda)
     if "--expect-refusal" not in sys.argv[1:]:
-        print(f"torch {torch.__version__}: " + (problem or f"supported (this build: torch {compat.supported_range(record)})"))
+        print(f"torch {torch.__version__}: "
+              + (problem or f"supported (this build: torch {compat.supported_range(record)})"))
         return 0 if problem is None else 1
     try:
         import hipferry  # noqa: F401

@@ -66,9 +66,7 @@ HIPFERRY_HD std::uint16_t f32_to_bf16_rne(float f) {
 }
 
 // bfloat16 bits -> float32: exact, a bfloat16 is the top half of a float32.
-HIPFERRY_HD float bf16_to_f32(std::uint16_t h) {
-  return f32_from_bits(static_cast<std::uint32_t>(h) << 16);
-}
+HIPFERRY_HD float bf16_to_f32(std::uint16_t h) { return f32_from_bits(static_cast<std::uint32_t>(h) << 16); }
 
 // float32 -> IEEE binary16 bits, round to nearest even.
 HIPFERRY_HD std::uint16_t f32_to_f16_rne(float f) {
@@ -84,18 +82,15 @@ HIPFERRY_HD std::uint16_t f32_to_f16_rne(float f) {
   const std::uint32_t significand = (a & 0x7fffffu) | 0x800000u;
   // Clamp keeps the shift defined for lanes that take another branch;
   // 25 already shifts every significand (< 2^24) to zero with remainder < half.
-  const std::uint32_t shift =
-      select_bits(exponent < 101u, 25u, select_bits(exponent > 112u, 14u, 126u - exponent));
+  const std::uint32_t shift = select_bits(exponent < 101u, 25u, select_bits(exponent > 112u, 14u, 126u - exponent));
   // Round to nearest even: add half-1, plus 1 when the kept part is odd.
   const std::uint32_t half = 1u << (shift - 1u);
-  const std::uint32_t subnormal =
-      (significand + (half - 1u) + ((significand >> shift) & 1u)) >> shift;
+  const std::uint32_t subnormal = (significand + (half - 1u) + ((significand >> shift) & 1u)) >> shift;
 
   const std::uint32_t quiet_nan = 0x7e00u | ((a >> 13) & 0x03ffu);
   const std::uint32_t finite = select_bits(a >= 0x38800000u, normal, subnormal);
-  const std::uint32_t magnitude =
-      select_bits(a > 0x7f800000u, quiet_nan,
-                  select_bits(a >= 0x477ff000u, 0x7c00u, finite));  // >= 65520 rounds to inf
+  const std::uint32_t magnitude = select_bits(
+      a > 0x7f800000u, quiet_nan, select_bits(a >= 0x477ff000u, 0x7c00u, finite));  // >= 65520 rounds to inf
   return static_cast<std::uint16_t>(sign | magnitude);
 }
 
@@ -106,19 +101,23 @@ HIPFERRY_HD float f16_to_f32(std::uint16_t h) {
   const std::uint32_t mantissa = h & 0x03ffu;
   const std::uint32_t normal = ((h & 0x7fffu) << 13) + 0x38000000u;
   // mantissa * 2^-24 is exact in float32 and never subnormal there.
-  const std::uint32_t subnormal =
-      f32_as_bits(static_cast<float>(mantissa) * 5.9604644775390625e-8f);
-  const std::uint32_t inf_or_nan =
-      select_bits(mantissa == 0, 0x7f800000u, 0x7fc00000u | (mantissa << 13));
-  const std::uint32_t magnitude = select_bits(
-      exponent == 0x1fu, inf_or_nan, select_bits(exponent != 0, normal, subnormal));
+  const std::uint32_t subnormal = f32_as_bits(static_cast<float>(mantissa) * 5.9604644775390625e-8f);
+  const std::uint32_t inf_or_nan = select_bits(mantissa == 0, 0x7f800000u, 0x7fc00000u | (mantissa << 13));
+  const std::uint32_t magnitude =
+      select_bits(exponent == 0x1fu, inf_or_nan, select_bits(exponent != 0, normal, subnormal));
   return f32_from_bits(sign | magnitude);
 }
 
 // Tag types naming an element type and its storage.
-struct Float32 { using storage = float; };
-struct Float16 { using storage = std::uint16_t; };
-struct BFloat16 { using storage = std::uint16_t; };
+struct Float32 {
+  using storage = float;
+};
+struct Float16 {
+  using storage = std::uint16_t;
+};
+struct BFloat16 {
+  using storage = std::uint16_t;
+};
 
 template <class T>
 HIPFERRY_HD float to_f32(typename T::storage x) {

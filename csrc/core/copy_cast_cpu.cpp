@@ -44,8 +44,8 @@ template <class From, class To>
 // new CPUs, still correct on old ones. By hand rather than with target_clones,
 // which Clang (ROCm's host compiler) cannot apply to templates.
 template <class From, class To>
-HIPFERRY_AVX2_TARGET void convert_range_avx2(const typename From::storage* src,
-                                                         typename To::storage* dst, std::int64_t n) {
+HIPFERRY_AVX2_TARGET void convert_range_avx2(const typename From::storage* src, typename To::storage* dst,
+                                             std::int64_t n) {
   convert_body<From, To>(src, dst, n);
 }
 #endif
@@ -70,19 +70,16 @@ void convert_range_portable(const typename From::storage* src, typename To::stor
 }
 
 #ifdef HIPFERRY_HAVE_AVX2_BUILD
-HIPFERRY_AVX2_TARGET void f32_to_f16_f16c(const float* src, std::uint16_t* dst,
-                                                       std::int64_t n) {
+HIPFERRY_AVX2_TARGET void f32_to_f16_f16c(const float* src, std::uint16_t* dst, std::int64_t n) {
   std::int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m256 v = _mm256_loadu_ps(src + i);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
-                     _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
   }
   for (; i < n; ++i) dst[i] = f32_to_f16_rne(src[i]);
 }
 
-HIPFERRY_AVX2_TARGET void f16_to_f32_f16c(const std::uint16_t* src, float* dst,
-                                                       std::int64_t n) {
+HIPFERRY_AVX2_TARGET void f16_to_f32_f16c(const std::uint16_t* src, float* dst, std::int64_t n) {
   std::int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
@@ -94,8 +91,7 @@ HIPFERRY_AVX2_TARGET void f16_to_f32_f16c(const std::uint16_t* src, float* dst,
 // A float16 leg on either side: convert through a small float32 block that
 // stays in L1, hardware for the float16 side, convert.h for the other.
 template <class From, class To>
-bool convert_range_f16c(const typename From::storage* src, typename To::storage* dst,
-                        std::int64_t n) {
+bool convert_range_f16c(const typename From::storage* src, typename To::storage* dst, std::int64_t n) {
   constexpr bool from_f16 = std::is_same_v<From, Float16>;
   constexpr bool to_f16 = std::is_same_v<To, Float16>;
   if constexpr (!from_f16 && !to_f16) {
@@ -130,8 +126,7 @@ bool convert_range_f16c(const typename From::storage* src, typename To::storage*
 #endif
 
 template <class From, class To>
-void convert_range(const typename From::storage* src, typename To::storage* dst,
-                   std::int64_t n) {
+void convert_range(const typename From::storage* src, typename To::storage* dst, std::int64_t n) {
 #ifdef HIPFERRY_HAVE_AVX2_BUILD
   if (convert_range_f16c<From, To>(src, dst, n)) return;
 #endif
@@ -140,13 +135,13 @@ void convert_range(const typename From::storage* src, typename To::storage* dst,
 
 }  // namespace
 
-void copy_cast_cpu(const void* src, ElementType src_type, void* dst,
-                   ElementType dst_type, std::int64_t begin, std::int64_t end) {
+void copy_cast_cpu(const void* src, ElementType src_type, void* dst, ElementType dst_type, std::int64_t begin,
+                   std::int64_t end) {
   if (end <= begin) return;
   if (src_type == dst_type) {
     const std::size_t size = element_size(src_type);
-    std::memcpy(static_cast<char*>(dst) + begin * size,
-                static_cast<const char*>(src) + begin * size, (end - begin) * size);
+    std::memcpy(static_cast<char*>(dst) + begin * size, static_cast<const char*>(src) + begin * size,
+                (end - begin) * size);
     return;
   }
   dispatch_element_pair(src_type, dst_type, [&](auto from, auto to) {

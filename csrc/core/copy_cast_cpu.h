@@ -10,8 +10,8 @@ namespace hipferry {
 
 // dst[i] = convert(src[i]) for i in [begin, end). `src` and `dst` point at
 // element 0 of arrays of `src_type` / `dst_type`; they must not overlap.
-void copy_cast_cpu(const void* src, ElementType src_type, void* dst,
-                   ElementType dst_type, std::int64_t begin, std::int64_t end);
+void copy_cast_cpu(const void* src, ElementType src_type, void* dst, ElementType dst_type, std::int64_t begin,
+                   std::int64_t end);
 
 }  // namespace hipferry
 

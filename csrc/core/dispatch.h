@@ -11,9 +11,12 @@ namespace hipferry {
 template <class Fn>
 decltype(auto) dispatch_element_type(ElementType t, Fn&& fn) {
   switch (t) {
-    case ElementType::kFloat32: return fn(Float32{});
-    case ElementType::kFloat16: return fn(Float16{});
-    case ElementType::kBFloat16: break;
+    case ElementType::kFloat32:
+      return fn(Float32{});
+    case ElementType::kFloat16:
+      return fn(Float16{});
+    case ElementType::kBFloat16:
+      break;
   }
   return fn(BFloat16{});
 }
@@ -21,9 +24,7 @@ decltype(auto) dispatch_element_type(ElementType t, Fn&& fn) {
 template <class Fn>
 decltype(auto) dispatch_element_pair(ElementType from, ElementType to, Fn&& fn) {
   return dispatch_element_type(from, [&](auto from_tag) -> decltype(auto) {
-    return dispatch_element_type(to, [&](auto to_tag) -> decltype(auto) {
-      return fn(from_tag, to_tag);
-    });
+    return dispatch_element_type(to, [&](auto to_tag) -> decltype(auto) { return fn(from_tag, to_tag); });
   });
 }
 

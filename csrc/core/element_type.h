@@ -9,14 +9,10 @@ namespace hipferry {
 
 enum class ElementType : std::uint8_t { kFloat32, kFloat16, kBFloat16 };
 
-constexpr std::size_t element_size(ElementType t) {
-  return t == ElementType::kFloat32 ? 4 : 2;
-}
+constexpr std::size_t element_size(ElementType t) { return t == ElementType::kFloat32 ? 4 : 2; }
 
 constexpr const char* element_type_name(ElementType t) {
-  return t == ElementType::kFloat32   ? "float32"
-         : t == ElementType::kFloat16 ? "float16"
-                                      : "bfloat16";
+  return t == ElementType::kFloat32 ? "float32" : t == ElementType::kFloat16 ? "float16" : "bfloat16";
 }
 
 }  // namespace hipferry

@@ -47,8 +47,8 @@ std::string check_message(const First& first, const Rest&... rest) {
 
 // Throws Exception(message) unless cond holds; the message arguments are only
 // evaluated on failure.
-#define HF_CHECK_WITH(Exception, cond, ...)                                   \
-  do {                                                                        \
+#define HF_CHECK_WITH(Exception, cond, ...)                                       \
+  do {                                                                            \
     if (!(cond)) throw Exception(::hipferry::detail::check_message(__VA_ARGS__)); \
   } while (false)
 

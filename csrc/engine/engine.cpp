@@ -40,8 +40,8 @@ bool Completion::done() const {
 }
 
 PathContext Engine::context(std::shared_ptr<pool::HostPool> pool, ParallelFor parallel_for) {
-  return PathContext{worker_, counters_, std::move(pool), batched_.load(), &runtime_batch_works_,
-                     std::move(parallel_for)};
+  return PathContext{
+      worker_, counters_, std::move(pool), batched_.load(), &runtime_batch_works_, std::move(parallel_for)};
 }
 
 std::string Engine::batched_copy() const {

@@ -63,7 +63,7 @@ class Engine {
   std::atomic<BatchedCopy> batched_{BatchedCopy::kKernel};
   std::atomic<bool> runtime_batch_works_{true};  // until the runtime says otherwise
   schedule::ReleaseList releases_;
-  std::mutex streams_mutex_;  // guards streams_; never held across a runtime call
+  std::mutex streams_mutex_;                          // guards streams_; never held across a runtime call
   std::vector<std::unique_ptr<rt::Stream>> streams_;  // [device * 3 + CopyStream]
 };
 

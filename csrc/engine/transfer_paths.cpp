@@ -6,14 +6,14 @@
 #include <string>
 #include <utility>
 
-#include "hip/batched_copy_kernel.h"
-#include "hip/copy_cast_kernel.h"
 #include "csrc/core/copy_cast_cpu.h"
 #include "csrc/core/schedule/host_streams.h"
 #include "csrc/core/schedule/slot_ring.h"
+#include "csrc/core/transfer/transfer_plan.h"
+#include "hip/batched_copy_kernel.h"
+#include "hip/copy_cast_kernel.h"
 #include "hip/gpu_stream.h"
 #include "hip/trace_session.h"
-#include "csrc/core/transfer/transfer_plan.h"
 
 namespace hipferry::engine {
 namespace {
@@ -151,8 +151,8 @@ void stage_batches(PathContext& ctx, const StagedJob& job, int device, rt::Strea
       } else {
         pack(0, count);
       }
-      tracing::add_host_span("pack " + std::to_string(batch.slots.size()) + " tensors", "pack",
-                             tracing::worker_track(), t0, tracing::now_ns(), batch.staging_bytes);
+      tracing::add_host_span("pack " + std::to_string(batch.slots.size()) + " tensors", "pack", tracing::worker_track(),
+                             t0, tracing::now_ns(), batch.staging_bytes);
       char* scratch = byte_offset(job.scratch, job.scratch_offsets[b]);
       const std::string track = tracing::stream_track(device, tracing::CopyStream::kStaging);
       tracing::StreamSpan copy(device, stream, track, "packed copy", "copy", batch.staging_bytes);
@@ -228,8 +228,8 @@ void stage_chunks(PathContext& ctx, const StagedJob& job, int device, rt::Stream
 
 // One copy (or one copy_cast kernel) for a whole large item.
 void direct_copy(PathContext& ctx, const CopyItem& it, int device, rt::StreamHandle stream, bool to_device) {
-  tracing::StreamSpan span(device, stream, copy_track(device, to_device),
-                           it.convert ? "copy_cast" : "copy", it.convert ? "kernel" : "copy", it.dst_bytes());
+  tracing::StreamSpan span(device, stream, copy_track(device, to_device), it.convert ? "copy_cast" : "copy",
+                           it.convert ? "kernel" : "copy", it.dst_bytes());
   if (it.convert) {
     const void* src = to_device ? it.src_mapped : it.src;
     void* dst = to_device ? it.dst : it.dst_mapped;
@@ -316,7 +316,8 @@ std::shared_ptr<rt::Event> record_start(int device, const GpuStreams& streams) {
 }  // namespace
 
 std::uint64_t run_host_to_device(PathContext& ctx, std::vector<CopyItem> items, int device, const GpuStreams& streams,
-                                 std::shared_ptr<rt::Event> done, const std::function<void*(std::size_t)>& allocate_scratch,
+                                 std::shared_ptr<rt::Event> done,
+                                 const std::function<void*(std::size_t)>& allocate_scratch,
                                  std::shared_ptr<TaskOutcome> outcome) {
   rt::DeviceGuard guard(device);
   std::vector<CopyItem> pinned;

@@ -7,18 +7,18 @@
 #pragma once
 
 #include <atomic>
-#include <functional>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
 
 #include "csrc/core/element_type.h"
-#include "csrc/core/schedule/outcome.h"
 #include "csrc/core/host_pool/host_pool.h"
-#include "hip/runtime.h"
+#include "csrc/core/schedule/outcome.h"
 #include "csrc/core/transfer/serial_worker.h"
+#include "hip/runtime.h"
 
 namespace hipferry::engine {
 
@@ -53,8 +53,8 @@ enum class BatchedCopy { kKernel, kRuntime };
 // Runs body(begin, end) over [0, n) in pieces of at least `grain` on the
 // host's thread pool (torch's: staging one thread copies ~10 GB/s, a host
 // link carries 25-55 GB/s). Empty: one piece on the calling thread.
-using ParallelFor =
-    std::function<void(std::int64_t n, std::int64_t grain, const std::function<void(std::int64_t, std::int64_t)>& body)>;
+using ParallelFor = std::function<void(std::int64_t n, std::int64_t grain,
+                                       const std::function<void(std::int64_t, std::int64_t)>& body)>;
 
 struct PathContext {
   transfer::SerialWorker& worker;
@@ -62,7 +62,7 @@ struct PathContext {
   std::shared_ptr<pool::HostPool> pool;  // staging blocks and job tables
   BatchedCopy batched = BatchedCopy::kKernel;
   std::atomic<bool>* runtime_batch_works = nullptr;  // cleared when the runtime says it has none
-  ParallelFor parallel_for;  // the host's thread pool (see ParallelFor)
+  ParallelFor parallel_for;                          // the host's thread pool (see ParallelFor)
 };
 
 // What a worker task reports: every waiter of a transfer sees the same error.
@@ -88,7 +88,8 @@ struct GpuStreams {
 
 // Host -> device.
 std::uint64_t run_host_to_device(PathContext& ctx, std::vector<CopyItem> items, int device, const GpuStreams& streams,
-                                 std::shared_ptr<rt::Event> done, const std::function<void*(std::size_t)>& allocate_scratch,
+                                 std::shared_ptr<rt::Event> done,
+                                 const std::function<void*(std::size_t)>& allocate_scratch,
                                  std::shared_ptr<TaskOutcome> outcome);
 // Device -> host (the destinations are host addresses, mapped where possible).
 void run_device_to_host(PathContext& ctx, std::vector<CopyItem> items, int device, const GpuStreams& streams,

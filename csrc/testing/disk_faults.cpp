@@ -92,18 +92,21 @@ std::unique_ptr<disk::IoBackend> wrap(std::unique_ptr<disk::IoBackend> inner) {
 
 void bind_disk_faults(py::module_& t) {
   set_disk_backend_wrapper(&wrap);
-  t.def("disk_faults", [](const std::string& op, long after, int error, long count) {
-    HF_CHECK_VALUE(op == "read" || op == "write" || op == "any", "disk_faults: op must be read, write or any");
-    std::lock_guard<std::mutex> lock(g_plan.mutex);
-    g_plan.armed = count > 0;
-    g_plan.op = op == "read" ? 0 : op == "write" ? 1 : -1;
-    g_plan.after = after;
-    g_plan.error = error;
-    g_plan.count = count;
-    g_plan.fired = 0;
-  }, py::arg("op"), py::arg("after") = 0, py::arg("error") = EIO, py::arg("count") = 1,
-     "Arms a fault in every DiskIo: the after-th request of op fails with -error (error=0: moves half its bytes), "
-     "count times. count=0 disarms.");
+  t.def(
+      "disk_faults",
+      [](const std::string& op, long after, int error, long count) {
+        HF_CHECK_VALUE(op == "read" || op == "write" || op == "any", "disk_faults: op must be read, write or any");
+        std::lock_guard<std::mutex> lock(g_plan.mutex);
+        g_plan.armed = count > 0;
+        g_plan.op = op == "read" ? 0 : op == "write" ? 1 : -1;
+        g_plan.after = after;
+        g_plan.error = error;
+        g_plan.count = count;
+        g_plan.fired = 0;
+      },
+      py::arg("op"), py::arg("after") = 0, py::arg("error") = EIO, py::arg("count") = 1,
+      "Arms a fault in every DiskIo: the after-th request of op fails with -error (error=0: moves half its bytes), "
+      "count times. count=0 disarms.");
   t.def("disk_faults_fired", [] {
     std::lock_guard<std::mutex> lock(g_plan.mutex);
     return g_plan.fired;

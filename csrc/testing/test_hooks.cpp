@@ -48,8 +48,10 @@ std::vector<std::int64_t> bench_alloc_free(const std::string& kind, std::int64_t
   } else if (kind == "torch_cpu") {
     pair = [&] { (void)torch::stable::empty({n}, ScalarType::Byte, std::nullopt, cpu); };
   } else {
-    throw std::invalid_argument("bench_alloc_free: kind must be pool_core, pool_tensor, torch_pinned or "
-                                "torch_cpu, got '" + kind + "'");
+    throw std::invalid_argument(
+        "bench_alloc_free: kind must be pool_core, pool_tensor, torch_pinned or "
+        "torch_cpu, got '" +
+        kind + "'");
   }
   py::gil_scoped_release no_gil;
   pair();
@@ -66,9 +68,8 @@ std::vector<std::int64_t> bench_alloc_free(const std::string& kind, std::int64_t
 void transfer_worker_sleep(double milliseconds) {
   HF_CHECK_VALUE(milliseconds >= 0 && milliseconds <= 60000,
                  "hipferry._C._testing.transfer_worker_sleep: ms must be in [0, 60000], got ", milliseconds);
-  transfer_worker().submit([milliseconds] {
-    std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(milliseconds));
-  });
+  transfer_worker().submit(
+      [milliseconds] { std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(milliseconds)); });
 }
 
 // Throws hipferry's error of `kind` through its check macro: translate_errors'
@@ -78,8 +79,7 @@ void raise_error(const std::string& kind, const std::string& message) {
   HF_CHECK_TYPE(kind != "type", message);
   HF_CHECK_OOM(kind != "oom", message);
   HF_CHECK(kind != "runtime", message);
-  HF_CHECK_VALUE(false, "hipferry._C._testing.raise_error: kind must be value, type, oom or runtime, got '", kind,
-                 "'");
+  HF_CHECK_VALUE(false, "hipferry._C._testing.raise_error: kind must be value, type, oom or runtime, got '", kind, "'");
 }
 
 }  // namespace
@@ -89,13 +89,15 @@ void bind_disk_faults(py::module_& t);  // disk_faults.cpp
 void bind_test_hooks(py::module_& m) {
   py::module_ t = m.def_submodule("_testing", "Test and benchmark hooks (built with the tests only).");
   bind_disk_faults(t);
-  t.def("transfer_worker_sleep", [](double ms) { translate_errors([&] { transfer_worker_sleep(ms); }); },
-        py::arg("ms"));
+  t.def(
+      "transfer_worker_sleep", [](double ms) { translate_errors([&] { transfer_worker_sleep(ms); }); }, py::arg("ms"));
   // GIL released, as in the transfer bindings: the OutOfMemory clause must take it back.
-  t.def("raise_error", [](const std::string& kind, const std::string& message) {
-          translate_errors([&] { raise_error(kind, message); });
-        },
-        py::arg("kind"), py::arg("message"), py::call_guard<py::gil_scoped_release>());
+  t.def(
+      "raise_error",
+      [](const std::string& kind, const std::string& message) {
+        translate_errors([&] { raise_error(kind, message); });
+      },
+      py::arg("kind"), py::arg("message"), py::call_guard<py::gil_scoped_release>());
   // hipferry's own dtype table (csrc/torch/stable.cpp), each entry with a
   // tensor made in that dtype through the stable ABI (None for the quantized
   // dtypes, which need a quantizer): the tests compare names and sizes with torch.

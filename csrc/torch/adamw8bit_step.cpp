@@ -32,8 +32,8 @@ enum class Kind { kFloat32, kUint8, kAnyFloat };
 
 // `t` is a contiguous dense tensor of `numel` elements of `kind` on `device`; `what` says
 // where the count comes from.
-void check_array(const char* fn, const char* name, const Tensor& t, Kind kind, std::int64_t numel,
-                 const char* what, const Device& device) {
+void check_array(const char* fn, const char* name, const Tensor& t, Kind kind, std::int64_t numel, const char* what,
+                 const Device& device) {
   HF_CHECK_VALUE(t.defined(), fn, name, " is None; expected a tensor");
   HF_CHECK_VALUE(t.layout() == torch::headeronly::Layout::Strided && t.is_contiguous(), fn, name,
                  " must be a contiguous dense tensor");
@@ -92,10 +92,13 @@ struct Step8 {
 constexpr const char* kFn = "hipferry._adamw8bit_step_: ";
 
 void check_inputs(const Step8& a, std::int64_t n, const Device& device) {
-  const std::pair<const char*, const Tensor*> in[] = {
-      {"param_in", &a.param_in}, {"exp_avg_in", &a.m_in},       {"exp_avg_absmax_in", &a.m_absmax_in},
-      {"exp_avg_sq_in", &a.v_in}, {"exp_avg_sq_absmax_in", &a.v_absmax_in},
-      {"max_exp_avg_sq_in", &a.x_in}, {"max_exp_avg_sq_absmax_in", &a.x_absmax_in}};
+  const std::pair<const char*, const Tensor*> in[] = {{"param_in", &a.param_in},
+                                                      {"exp_avg_in", &a.m_in},
+                                                      {"exp_avg_absmax_in", &a.m_absmax_in},
+                                                      {"exp_avg_sq_in", &a.v_in},
+                                                      {"exp_avg_sq_absmax_in", &a.v_absmax_in},
+                                                      {"max_exp_avg_sq_in", &a.x_in},
+                                                      {"max_exp_avg_sq_absmax_in", &a.x_absmax_in}};
   for (int i = 0; i < 7; ++i) {
     const bool wanted = i < 5 || a.amsgrad;
     HF_CHECK_VALUE(in[i].second->defined() == wanted, kFn, in[i].first,
@@ -126,14 +129,19 @@ void check_step8(const Step8& a) {
   if (a.out.defined()) check_array(kFn, "param_out", a.out, Kind::kAnyFloat, n, "as many as param", device);
   const bool from = a.from();
   if (from) check_inputs(a, n, device);
-  std::vector<Named> written = {{"param", &a.param}, {"exp_avg", &a.m}, {"exp_avg_absmax", &a.m_absmax},
-                                {"exp_avg_sq", &a.v}, {"exp_avg_sq_absmax", &a.v_absmax}};
+  std::vector<Named> written = {{"param", &a.param},
+                                {"exp_avg", &a.m},
+                                {"exp_avg_absmax", &a.m_absmax},
+                                {"exp_avg_sq", &a.v},
+                                {"exp_avg_sq_absmax", &a.v_absmax}};
   if (a.amsgrad) written.insert(written.end(), {{"max_exp_avg_sq", &a.x}, {"max_exp_avg_sq_absmax", &a.x_absmax}});
   if (a.out.defined()) written.push_back({"param_out", &a.out});
   std::vector<Named> read = {{"grad", &a.grad}};
   if (from) {
-    read.insert(read.end(), {{"param_in", &a.param_in}, {"exp_avg_in", &a.m_in},
-                             {"exp_avg_absmax_in", &a.m_absmax_in}, {"exp_avg_sq_in", &a.v_in},
+    read.insert(read.end(), {{"param_in", &a.param_in},
+                             {"exp_avg_in", &a.m_in},
+                             {"exp_avg_absmax_in", &a.m_absmax_in},
+                             {"exp_avg_sq_in", &a.v_in},
                              {"exp_avg_sq_absmax_in", &a.v_absmax_in}});
     if (a.amsgrad) {
       read.insert(read.end(), {{"max_exp_avg_sq_in", &a.x_in}, {"max_exp_avg_sq_absmax_in", &a.x_absmax_in}});
@@ -174,9 +182,8 @@ optim::AdamW8bitArrays arrays_of(const Step8& t) {
 // Runs fn(begin, end) over [0, n) in pieces that start on block boundaries.
 template <class Fn>
 void for_blocks(std::int64_t n, Fn&& fn) {
-  torch::stable::parallel_for(0, blocks_of(n), kGrainBlocks, [&](std::int64_t b0, std::int64_t b1) {
-    fn(b0 * kBlock, std::min(b1 * kBlock, n));
-  });
+  torch::stable::parallel_for(0, blocks_of(n), kGrainBlocks,
+                              [&](std::int64_t b0, std::int64_t b1) { fn(b0 * kBlock, std::min(b1 * kBlock, n)); });
 }
 
 void adamw8bit_step(const Step8& t, std::int64_t step, const optim::AdamWHyper& h) {
@@ -245,84 +252,87 @@ Tensor optional_tensor(const py::object& o, const char* what) { return tensor_fr
 }  // namespace
 
 void bind_adamw8bit(py::module_& m) {
-  m.def("_adamw8bit_step_",
-        [](py::object param, py::object grad, py::object exp_avg, py::object exp_avg_absmax, py::object exp_avg_sq,
-           py::object exp_avg_sq_absmax, py::object max_exp_avg_sq, py::object max_exp_avg_sq_absmax,
-           py::object param_out, std::int64_t step, double lr, double beta1, double beta2, double eps,
-           double weight_decay, bool amsgrad, bool maximize, py::object param_in, py::object exp_avg_in,
-           py::object exp_avg_absmax_in, py::object exp_avg_sq_in, py::object exp_avg_sq_absmax_in,
-           py::object max_exp_avg_sq_in, py::object max_exp_avg_sq_absmax_in, bool adopt_out) {
-          translate_errors([&] {
-            // Converted with the GIL; the tensors die after it is taken back (declared before no_gil).
-            Step8 t;
-            t.param = tensor_from_python(param, "hipferry._adamw8bit_step_: param");
-            t.grad = tensor_from_python(grad, "hipferry._adamw8bit_step_: grad");
-            t.m = tensor_from_python(exp_avg, "hipferry._adamw8bit_step_: exp_avg");
-            t.m_absmax = tensor_from_python(exp_avg_absmax, "hipferry._adamw8bit_step_: exp_avg_absmax");
-            t.v = tensor_from_python(exp_avg_sq, "hipferry._adamw8bit_step_: exp_avg_sq");
-            t.v_absmax = tensor_from_python(exp_avg_sq_absmax, "hipferry._adamw8bit_step_: exp_avg_sq_absmax");
-            t.x = optional_tensor(max_exp_avg_sq, "hipferry._adamw8bit_step_: max_exp_avg_sq");
-            t.x_absmax = optional_tensor(max_exp_avg_sq_absmax, "hipferry._adamw8bit_step_: max_exp_avg_sq_absmax");
-            t.out = optional_tensor(param_out, "hipferry._adamw8bit_step_: param_out");
-            t.param_in = optional_tensor(param_in, "hipferry._adamw8bit_step_: param_in");
-            t.m_in = optional_tensor(exp_avg_in, "hipferry._adamw8bit_step_: exp_avg_in");
-            t.m_absmax_in = optional_tensor(exp_avg_absmax_in, "hipferry._adamw8bit_step_: exp_avg_absmax_in");
-            t.v_in = optional_tensor(exp_avg_sq_in, "hipferry._adamw8bit_step_: exp_avg_sq_in");
-            t.v_absmax_in = optional_tensor(exp_avg_sq_absmax_in, "hipferry._adamw8bit_step_: exp_avg_sq_absmax_in");
-            t.x_in = optional_tensor(max_exp_avg_sq_in, "hipferry._adamw8bit_step_: max_exp_avg_sq_in");
-            t.x_absmax_in =
-                optional_tensor(max_exp_avg_sq_absmax_in, "hipferry._adamw8bit_step_: max_exp_avg_sq_absmax_in");
-            t.amsgrad = amsgrad;
-            const optim::AdamWHyper h{lr, beta1, beta2, eps, weight_decay, amsgrad, maximize};
+  m.def(
+      "_adamw8bit_step_",
+      [](py::object param, py::object grad, py::object exp_avg, py::object exp_avg_absmax, py::object exp_avg_sq,
+         py::object exp_avg_sq_absmax, py::object max_exp_avg_sq, py::object max_exp_avg_sq_absmax,
+         py::object param_out, std::int64_t step, double lr, double beta1, double beta2, double eps,
+         double weight_decay, bool amsgrad, bool maximize, py::object param_in, py::object exp_avg_in,
+         py::object exp_avg_absmax_in, py::object exp_avg_sq_in, py::object exp_avg_sq_absmax_in,
+         py::object max_exp_avg_sq_in, py::object max_exp_avg_sq_absmax_in, bool adopt_out) {
+        translate_errors([&] {
+          // Converted with the GIL; the tensors die after it is taken back (declared before no_gil).
+          Step8 t;
+          t.param = tensor_from_python(param, "hipferry._adamw8bit_step_: param");
+          t.grad = tensor_from_python(grad, "hipferry._adamw8bit_step_: grad");
+          t.m = tensor_from_python(exp_avg, "hipferry._adamw8bit_step_: exp_avg");
+          t.m_absmax = tensor_from_python(exp_avg_absmax, "hipferry._adamw8bit_step_: exp_avg_absmax");
+          t.v = tensor_from_python(exp_avg_sq, "hipferry._adamw8bit_step_: exp_avg_sq");
+          t.v_absmax = tensor_from_python(exp_avg_sq_absmax, "hipferry._adamw8bit_step_: exp_avg_sq_absmax");
+          t.x = optional_tensor(max_exp_avg_sq, "hipferry._adamw8bit_step_: max_exp_avg_sq");
+          t.x_absmax = optional_tensor(max_exp_avg_sq_absmax, "hipferry._adamw8bit_step_: max_exp_avg_sq_absmax");
+          t.out = optional_tensor(param_out, "hipferry._adamw8bit_step_: param_out");
+          t.param_in = optional_tensor(param_in, "hipferry._adamw8bit_step_: param_in");
+          t.m_in = optional_tensor(exp_avg_in, "hipferry._adamw8bit_step_: exp_avg_in");
+          t.m_absmax_in = optional_tensor(exp_avg_absmax_in, "hipferry._adamw8bit_step_: exp_avg_absmax_in");
+          t.v_in = optional_tensor(exp_avg_sq_in, "hipferry._adamw8bit_step_: exp_avg_sq_in");
+          t.v_absmax_in = optional_tensor(exp_avg_sq_absmax_in, "hipferry._adamw8bit_step_: exp_avg_sq_absmax_in");
+          t.x_in = optional_tensor(max_exp_avg_sq_in, "hipferry._adamw8bit_step_: max_exp_avg_sq_in");
+          t.x_absmax_in =
+              optional_tensor(max_exp_avg_sq_absmax_in, "hipferry._adamw8bit_step_: max_exp_avg_sq_absmax_in");
+          t.amsgrad = amsgrad;
+          const optim::AdamWHyper h{lr, beta1, beta2, eps, weight_decay, amsgrad, maximize};
+          py::gil_scoped_release no_gil;
+          t.adopt_out = adopt_out;
+          adamw8bit_step(t, step, h);
+        });
+      },
+      py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_absmax"), py::arg("exp_avg_sq"),
+      py::arg("exp_avg_sq_absmax"), py::arg("max_exp_avg_sq"), py::arg("max_exp_avg_sq_absmax"), py::arg("param_out"),
+      py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
+      py::arg("amsgrad"), py::arg("maximize"), py::arg("param_in") = py::none(), py::arg("exp_avg_in") = py::none(),
+      py::arg("exp_avg_absmax_in") = py::none(), py::arg("exp_avg_sq_in") = py::none(),
+      py::arg("exp_avg_sq_absmax_in") = py::none(), py::arg("max_exp_avg_sq_in") = py::none(),
+      py::arg("max_exp_avg_sq_absmax_in") = py::none(), py::arg("adopt_out") = false,
+      "One fused AdamW step with 8-bit blockwise moments (uint8 codes, one float32 absmax per block of 256): "
+      "in place, or reading param_in and the *_in state and writing param and the state.");
+  m.def(
+      "_quantize_blockwise_8bit",
+      [](py::object x, bool is_signed, py::object codes, py::object absmax) {
+        return translate_errors([&] {
+          const Tensor tx = tensor_from_python(x, "hipferry._quantize_blockwise_8bit: x");
+          Tensor tc = optional_tensor(codes, "hipferry._quantize_blockwise_8bit: codes");
+          Tensor ta = optional_tensor(absmax, "hipferry._quantize_blockwise_8bit: absmax");
+          {
             py::gil_scoped_release no_gil;
-            t.adopt_out = adopt_out;
-            adamw8bit_step(t, step, h);
-          });
-        },
-        py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_absmax"), py::arg("exp_avg_sq"),
-        py::arg("exp_avg_sq_absmax"), py::arg("max_exp_avg_sq"), py::arg("max_exp_avg_sq_absmax"),
-        py::arg("param_out"), py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
-        py::arg("weight_decay"), py::arg("amsgrad"), py::arg("maximize"), py::arg("param_in") = py::none(),
-        py::arg("exp_avg_in") = py::none(), py::arg("exp_avg_absmax_in") = py::none(),
-        py::arg("exp_avg_sq_in") = py::none(), py::arg("exp_avg_sq_absmax_in") = py::none(),
-        py::arg("max_exp_avg_sq_in") = py::none(), py::arg("max_exp_avg_sq_absmax_in") = py::none(),
-        py::arg("adopt_out") = false,
-        "One fused AdamW step with 8-bit blockwise moments (uint8 codes, one float32 absmax per block of 256): "
-        "in place, or reading param_in and the *_in state and writing param and the state.");
-  m.def("_quantize_blockwise_8bit",
-        [](py::object x, bool is_signed, py::object codes, py::object absmax) {
-          return translate_errors([&] {
-            const Tensor tx = tensor_from_python(x, "hipferry._quantize_blockwise_8bit: x");
-            Tensor tc = optional_tensor(codes, "hipferry._quantize_blockwise_8bit: codes");
-            Tensor ta = optional_tensor(absmax, "hipferry._quantize_blockwise_8bit: absmax");
-            {
-              py::gil_scoped_release no_gil;
-              quantize8(tx, is_signed, tc, ta);
-            }
-            return py::make_tuple(tensor_to_python(tc), tensor_to_python(ta));
-          });
-        },
-        py::arg("x"), py::arg("signed"), py::arg("codes") = py::none(), py::arg("absmax") = py::none(),
-        "float32 CPU tensor -> (uint8 codes of x's shape, float32 absmax per block of 256), with the signed or "
-        "the unsigned dynamic map (into codes and absmax when given).");
-  m.def("_dequantize_blockwise_8bit",
-        [](py::object codes, py::object absmax, bool is_signed, py::object out) {
-          return translate_errors([&] {
-            const Tensor tc = tensor_from_python(codes, "hipferry._dequantize_blockwise_8bit: codes");
-            const Tensor ta = tensor_from_python(absmax, "hipferry._dequantize_blockwise_8bit: absmax");
-            Tensor to = optional_tensor(out, "hipferry._dequantize_blockwise_8bit: out");
-            {
-              py::gil_scoped_release no_gil;
-              dequantize8(tc, ta, is_signed, to);
-            }
-            return tensor_to_python(to);
-          });
-        },
-        py::arg("codes"), py::arg("absmax"), py::arg("signed"), py::arg("out") = py::none(),
-        "(uint8 codes, float32 absmax) CPU tensors -> float32 values code[q] * absmax (into out when given).");
-  m.def("_dynamic_map_8bit",
-        [](bool is_signed) { return translate_errors([&] { return tensor_to_python(dynamic_map8(is_signed)); }); },
-        py::arg("signed"), "bitsandbytes' create_dynamic_map(signed): the 256 codes, ascending (float32).");
+            quantize8(tx, is_signed, tc, ta);
+          }
+          return py::make_tuple(tensor_to_python(tc), tensor_to_python(ta));
+        });
+      },
+      py::arg("x"), py::arg("signed"), py::arg("codes") = py::none(), py::arg("absmax") = py::none(),
+      "float32 CPU tensor -> (uint8 codes of x's shape, float32 absmax per block of 256), with the signed or "
+      "the unsigned dynamic map (into codes and absmax when given).");
+  m.def(
+      "_dequantize_blockwise_8bit",
+      [](py::object codes, py::object absmax, bool is_signed, py::object out) {
+        return translate_errors([&] {
+          const Tensor tc = tensor_from_python(codes, "hipferry._dequantize_blockwise_8bit: codes");
+          const Tensor ta = tensor_from_python(absmax, "hipferry._dequantize_blockwise_8bit: absmax");
+          Tensor to = optional_tensor(out, "hipferry._dequantize_blockwise_8bit: out");
+          {
+            py::gil_scoped_release no_gil;
+            dequantize8(tc, ta, is_signed, to);
+          }
+          return tensor_to_python(to);
+        });
+      },
+      py::arg("codes"), py::arg("absmax"), py::arg("signed"), py::arg("out") = py::none(),
+      "(uint8 codes, float32 absmax) CPU tensors -> float32 values code[q] * absmax (into out when given).");
+  m.def(
+      "_dynamic_map_8bit",
+      [](bool is_signed) { return translate_errors([&] { return tensor_to_python(dynamic_map8(is_signed)); }); },
+      py::arg("signed"), "bitsandbytes' create_dynamic_map(signed): the 256 codes, ascending (float32).");
 }
 
 }  // namespace hipferry

@@ -23,12 +23,12 @@
 #include <vector>
 
 #include "csrc/core/errors.h"
-#include "hip/adamw_kernel.h"
 #include "csrc/core/optim/adamw_cpu.h"
 #include "csrc/torch/current_stream.h"
 #include "csrc/torch/op_errors.h"
 #include "csrc/torch/python_errors.h"
 #include "csrc/torch/tensor_bridge.h"
+#include "hip/adamw_kernel.h"
 
 namespace py = pybind11;
 
@@ -39,8 +39,8 @@ namespace {
 void check_state(const Tensor& t, std::string_view where, const char* name, const Tensor& param, bool float32) {
   HF_CHECK_VALUE(t.layout() == torch::headeronly::Layout::Strided && t.is_contiguous(), where, name,
                  " must be a contiguous dense tensor");
-  HF_CHECK_VALUE(t.numel() == param.numel(), where, name, " has ", t.numel(), " elements but param has ",
-                 param.numel(), "; expected equal sizes");
+  HF_CHECK_VALUE(t.numel() == param.numel(), where, name, " has ", t.numel(), " elements but param has ", param.numel(),
+                 "; expected equal sizes");
   HF_CHECK_VALUE(t.device() == param.device(), where, name, " is on ", device_name(t.device()), " but param is on ",
                  device_name(param.device()), "; expected one device");
   const ScalarType st = t.scalar_type();
@@ -71,8 +71,8 @@ void check_inputs(const std::array<const Tensor*, 4>& in, const std::array<const
 
 // The checks of an in-place step's arguments (the first ones of adamw_step, in its order).
 void check_in_place(std::string_view where, const Tensor& param, const Tensor& grad, const Tensor& exp_avg,
-                    const Tensor& exp_avg_sq, const Tensor& max_exp_avg_sq, const Tensor& param_out,
-                    std::int64_t step, bool amsgrad) {
+                    const Tensor& exp_avg_sq, const Tensor& max_exp_avg_sq, const Tensor& param_out, std::int64_t step,
+                    bool amsgrad) {
   HF_CHECK_VALUE(step >= 1, where, "step must be >= 1, got ", step);
   HF_CHECK_VALUE(param.is_cpu() || param.is_cuda(), where, "param is on ", device_name(param.device()),
                  "; expected the CPU or a GPU");
@@ -87,9 +87,9 @@ void check_in_place(std::string_view where, const Tensor& param, const Tensor& g
 
 // The step itself, its arguments checked.
 void run_adamw(const Tensor& param, const Tensor& grad, const Tensor& exp_avg, const Tensor& exp_avg_sq,
-               const Tensor& max_exp_avg_sq, const Tensor& param_out, std::int64_t step,
-               const optim::AdamWHyper& h, const Tensor& param_in, const Tensor& exp_avg_in,
-               const Tensor& exp_avg_sq_in, const Tensor& max_exp_avg_sq_in, bool adopt_out) {
+               const Tensor& max_exp_avg_sq, const Tensor& param_out, std::int64_t step, const optim::AdamWHyper& h,
+               const Tensor& param_in, const Tensor& exp_avg_in, const Tensor& exp_avg_sq_in,
+               const Tensor& max_exp_avg_sq_in, bool adopt_out) {
   const optim::AdamWScalars s = optim::adamw_scalars(h, step);
   optim::AdamWArrays a;
   a.param = param.mutable_data_ptr<float>();
@@ -126,20 +126,25 @@ void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg, 
                 double beta2, double eps, double weight_decay, bool amsgrad, bool maximize, const Tensor& param_in,
                 const Tensor& exp_avg_in, const Tensor& exp_avg_sq_in, const Tensor& max_exp_avg_sq_in,
                 bool adopt_out) {
-  check_in_place("hipferry.adamw_step_: ", param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_out, step,
-                 amsgrad);
-  const bool from = param_in.defined() || exp_avg_in.defined() || exp_avg_sq_in.defined() ||
-                    max_exp_avg_sq_in.defined();
-  HF_CHECK_VALUE(!adopt_out || (param_out.defined() && !from), "hipferry.adamw_step_: adopt_out=True needs "
+  check_in_place("hipferry.adamw_step_: ", param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_out, step, amsgrad);
+  const bool from =
+      param_in.defined() || exp_avg_in.defined() || exp_avg_sq_in.defined() || max_exp_avg_sq_in.defined();
+  HF_CHECK_VALUE(!adopt_out || (param_out.defined() && !from),
+                 "hipferry.adamw_step_: adopt_out=True needs "
                  "param_out (the parameter itself) and an in-place step (no param_in)");
   if (from) {
     check_inputs({&param_in, &exp_avg_in, &exp_avg_sq_in, &max_exp_avg_sq_in},
                  {&param, &exp_avg, &exp_avg_sq, &max_exp_avg_sq, &param_out}, param, amsgrad);
   }
-  const optim::AdamWHyper h{.lr = lr, .beta1 = beta1, .beta2 = beta2, .eps = eps, .weight_decay = weight_decay,
-                           .amsgrad = amsgrad, .maximize = maximize};
-  run_adamw(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_out, step, h, param_in, exp_avg_in,
-            exp_avg_sq_in, max_exp_avg_sq_in, adopt_out);
+  const optim::AdamWHyper h{.lr = lr,
+                            .beta1 = beta1,
+                            .beta2 = beta2,
+                            .eps = eps,
+                            .weight_decay = weight_decay,
+                            .amsgrad = amsgrad,
+                            .maximize = maximize};
+  run_adamw(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_out, step, h, param_in, exp_avg_in, exp_avg_sq_in,
+            max_exp_avg_sq_in, adopt_out);
 }
 
 void adamw_step_many(const std::vector<AdamWItem>& items) {
@@ -153,8 +158,8 @@ void adamw_step_many(const std::vector<AdamWItem>& items) {
   }
   const Tensor none;
   for (const AdamWItem& it : items) {
-    run_adamw(it.param, it.grad, it.exp_avg, it.exp_avg_sq, it.max_exp_avg_sq, it.param_out, it.step, it.hyper,
-              none, none, none, none, it.adopt_out);
+    run_adamw(it.param, it.grad, it.exp_avg, it.exp_avg_sq, it.max_exp_avg_sq, it.param_out, it.step, it.hyper, none,
+              none, none, none, it.adopt_out);
   }
 }
 
@@ -195,8 +200,8 @@ void adamw_step_op(Tensor param, Tensor grad, Tensor exp_avg, Tensor exp_avg_sq,
                    std::optional<Tensor> exp_avg_in, std::optional<Tensor> exp_avg_sq_in,
                    std::optional<Tensor> max_exp_avg_sq_in, bool adopt_out) {
   tag_op_errors([&] {
-    adamw_step(param, grad, exp_avg, exp_avg_sq, or_undefined(max_exp_avg_sq), or_undefined(param_out), step, lr,
-               beta1, beta2, eps, weight_decay, amsgrad, maximize, or_undefined(param_in), or_undefined(exp_avg_in),
+    adamw_step(param, grad, exp_avg, exp_avg_sq, or_undefined(max_exp_avg_sq), or_undefined(param_out), step, lr, beta1,
+               beta2, eps, weight_decay, amsgrad, maximize, or_undefined(param_in), or_undefined(exp_avg_in),
                or_undefined(exp_avg_sq_in), or_undefined(max_exp_avg_sq_in), adopt_out);
   });
 }
@@ -267,15 +272,19 @@ optim::AdamWHyper hyper_from_python(py::handle obj, std::size_t i) {
                   "; expected True or False");
     return v.ptr() == Py_True;
   };
-  return optim::AdamWHyper{.lr = number("lr"), .beta1 = number("beta1"), .beta2 = number("beta2"),
-                           .eps = number("eps"), .weight_decay = number("weight_decay"), .amsgrad = flag("amsgrad"),
+  return optim::AdamWHyper{.lr = number("lr"),
+                           .beta1 = number("beta1"),
+                           .beta2 = number("beta2"),
+                           .eps = number("eps"),
+                           .weight_decay = number("weight_decay"),
+                           .amsgrad = flag("amsgrad"),
                            .maximize = flag("maximize")};
 }
 
 // _adamw_step_many_'s lists as items, each argument's length checked against params'.
 std::vector<AdamWItem> items_from_python(const std::array<py::handle, 9>& lists) {
-  static constexpr const char* kNames[] = {"params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs",
-                                           "param_outs", "steps", "hypers", "adopt_outs"};
+  static constexpr const char* kNames[] = {"params",     "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs",
+                                           "param_outs", "steps", "hypers",   "adopt_outs"};
   for (int k = 0; k < 9; ++k) {
     HF_CHECK_TYPE(PyList_Check(lists[k].ptr()), "hipferry.adamw_step_many_: ", kNames[k], " is a ",
                   Py_TYPE(lists[k].ptr())->tp_name, "; expected a list");
@@ -317,61 +326,64 @@ std::vector<AdamWItem> items_from_python(const std::array<py::handle, 9>& lists)
 }  // namespace
 
 void bind_adamw(py::module_& m) {
-  m.def("_bits_equal",
-        [](py::object a, py::object b) {
-          return translate_errors([&] {
-            const Tensor ta = plain_tensor_from_python(a, "hipferry.bits_equal: a", false, true);
-            const Tensor tb = plain_tensor_from_python(b, "hipferry.bits_equal: b", false, true);
-            py::gil_scoped_release no_gil;
-            return bits_equal(ta, tb);
-          });
-        },
-        py::arg("a"), py::arg("b"), "hipferry.ops.bits_equal without the dispatcher (Note [adamw_step_ fast path]).");
-  m.def("_adamw_step_",
-        [](py::object param, py::object grad, py::object exp_avg, py::object exp_avg_sq, py::object max_exp_avg_sq,
-           py::object param_out, std::int64_t step, double lr, double beta1, double beta2, double eps,
-           double weight_decay, bool amsgrad, bool maximize, py::object param_in, py::object exp_avg_in,
-           py::object exp_avg_sq_in, py::object max_exp_avg_sq_in, bool adopt_out) {
-          translate_errors([&] {
-            const auto in = [](py::handle obj, const char* what, bool allow_none = true) {
-              return plain_tensor_from_python(obj, what, allow_none, false);
-            };
-            // Converted with the GIL; the tensors die after it is taken back (declared before no_gil).
-            const Tensor p = in(param, "hipferry.adamw_step_: param", false);
-            const Tensor g = in(grad, "hipferry.adamw_step_: grad", false);
-            const Tensor m1 = in(exp_avg, "hipferry.adamw_step_: exp_avg", false);
-            const Tensor m2 = in(exp_avg_sq, "hipferry.adamw_step_: exp_avg_sq", false);
-            const Tensor mx = in(max_exp_avg_sq, "hipferry.adamw_step_: max_exp_avg_sq");
-            const Tensor out = in(param_out, "hipferry.adamw_step_: param_out");
-            const Tensor p_in = in(param_in, "hipferry.adamw_step_: param_in");
-            const Tensor m1_in = in(exp_avg_in, "hipferry.adamw_step_: exp_avg_in");
-            const Tensor m2_in = in(exp_avg_sq_in, "hipferry.adamw_step_: exp_avg_sq_in");
-            const Tensor mx_in = in(max_exp_avg_sq_in, "hipferry.adamw_step_: max_exp_avg_sq_in");
-            py::gil_scoped_release no_gil;
-            adamw_step(p, g, m1, m2, mx, out, step, lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, p_in,
-                       m1_in, m2_in, mx_in, adopt_out);
-          });
-        },
-        py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
-        py::arg("max_exp_avg_sq"), py::arg("param_out"), py::arg("step"), py::arg("lr"), py::arg("beta1"),
-        py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("amsgrad"), py::arg("maximize"),
-        py::arg("param_in") = py::none(), py::arg("exp_avg_in") = py::none(), py::arg("exp_avg_sq_in") = py::none(),
-        py::arg("max_exp_avg_sq_in") = py::none(), py::arg("adopt_out") = false,
-        "hipferry.ops.adamw_step_ without the dispatcher (Note [adamw_step_ fast path]).");
-  m.def("_adamw_step_many_",
-        [](py::object params, py::object grads, py::object exp_avgs, py::object exp_avg_sqs, py::object max_exp_avg_sqs,
-           py::object param_outs, py::object steps, py::object hypers, py::object adopt_outs) {
-          translate_errors([&] {
-            // Converted with the GIL; the tensors die after it is taken back (declared before no_gil).
-            const std::vector<AdamWItem> items = items_from_python(
-                {params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_outs, steps, hypers, adopt_outs});
-            py::gil_scoped_release no_gil;
-            adamw_step_many(items);
-          });
-        },
-        py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("max_exp_avg_sqs"),
-        py::arg("param_outs"), py::arg("steps"), py::arg("hypers"), py::arg("adopt_outs"),
-        "hipferry.ops.adamw_step_many_ without the dispatcher (Note [adamw_step_ fast path]).");
+  m.def(
+      "_bits_equal",
+      [](py::object a, py::object b) {
+        return translate_errors([&] {
+          const Tensor ta = plain_tensor_from_python(a, "hipferry.bits_equal: a", false, true);
+          const Tensor tb = plain_tensor_from_python(b, "hipferry.bits_equal: b", false, true);
+          py::gil_scoped_release no_gil;
+          return bits_equal(ta, tb);
+        });
+      },
+      py::arg("a"), py::arg("b"), "hipferry.ops.bits_equal without the dispatcher (Note [adamw_step_ fast path]).");
+  m.def(
+      "_adamw_step_",
+      [](py::object param, py::object grad, py::object exp_avg, py::object exp_avg_sq, py::object max_exp_avg_sq,
+         py::object param_out, std::int64_t step, double lr, double beta1, double beta2, double eps,
+         double weight_decay, bool amsgrad, bool maximize, py::object param_in, py::object exp_avg_in,
+         py::object exp_avg_sq_in, py::object max_exp_avg_sq_in, bool adopt_out) {
+        translate_errors([&] {
+          const auto in = [](py::handle obj, const char* what, bool allow_none = true) {
+            return plain_tensor_from_python(obj, what, allow_none, false);
+          };
+          // Converted with the GIL; the tensors die after it is taken back (declared before no_gil).
+          const Tensor p = in(param, "hipferry.adamw_step_: param", false);
+          const Tensor g = in(grad, "hipferry.adamw_step_: grad", false);
+          const Tensor m1 = in(exp_avg, "hipferry.adamw_step_: exp_avg", false);
+          const Tensor m2 = in(exp_avg_sq, "hipferry.adamw_step_: exp_avg_sq", false);
+          const Tensor mx = in(max_exp_avg_sq, "hipferry.adamw_step_: max_exp_avg_sq");
+          const Tensor out = in(param_out, "hipferry.adamw_step_: param_out");
+          const Tensor p_in = in(param_in, "hipferry.adamw_step_: param_in");
+          const Tensor m1_in = in(exp_avg_in, "hipferry.adamw_step_: exp_avg_in");
+          const Tensor m2_in = in(exp_avg_sq_in, "hipferry.adamw_step_: exp_avg_sq_in");
+          const Tensor mx_in = in(max_exp_avg_sq_in, "hipferry.adamw_step_: max_exp_avg_sq_in");
+          py::gil_scoped_release no_gil;
+          adamw_step(p, g, m1, m2, mx, out, step, lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, p_in, m1_in,
+                     m2_in, mx_in, adopt_out);
+        });
+      },
+      py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("max_exp_avg_sq"),
+      py::arg("param_out"), py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+      py::arg("weight_decay"), py::arg("amsgrad"), py::arg("maximize"), py::arg("param_in") = py::none(),
+      py::arg("exp_avg_in") = py::none(), py::arg("exp_avg_sq_in") = py::none(),
+      py::arg("max_exp_avg_sq_in") = py::none(), py::arg("adopt_out") = false,
+      "hipferry.ops.adamw_step_ without the dispatcher (Note [adamw_step_ fast path]).");
+  m.def(
+      "_adamw_step_many_",
+      [](py::object params, py::object grads, py::object exp_avgs, py::object exp_avg_sqs, py::object max_exp_avg_sqs,
+         py::object param_outs, py::object steps, py::object hypers, py::object adopt_outs) {
+        translate_errors([&] {
+          // Converted with the GIL; the tensors die after it is taken back (declared before no_gil).
+          const std::vector<AdamWItem> items = items_from_python(
+              {params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, param_outs, steps, hypers, adopt_outs});
+          py::gil_scoped_release no_gil;
+          adamw_step_many(items);
+        });
+      },
+      py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("max_exp_avg_sqs"),
+      py::arg("param_outs"), py::arg("steps"), py::arg("hypers"), py::arg("adopt_outs"),
+      "hipferry.ops.adamw_step_many_ without the dispatcher (Note [adamw_step_ fast path]).");
 }
 
 }  // namespace hipferry

@@ -9,14 +9,14 @@
 #include <string>
 
 #include "csrc/core/errors.h"
-#include "hip/adamw_kernel.h"
 #include "csrc/core/optim/adamw_cpu.h"
 #include "csrc/core/schedule/host_streams.h"
-#include "hip/gpu_stream.h"
-#include "hip/trace_session.h"
 #include "csrc/torch/current_stream.h"
 #include "csrc/torch/python_errors.h"
 #include "csrc/torch/tensor_bridge.h"
+#include "hip/adamw_kernel.h"
+#include "hip/gpu_stream.h"
+#include "hip/trace_session.h"
 
 namespace py = pybind11;
 
@@ -24,33 +24,32 @@ namespace hipferry {
 namespace {
 
 std::unique_ptr<schedule::Stream> copy_stream(int device, const char* direction) {
-  if (device < 0) return std::make_unique<schedule::ImmediateStream>(std::string("cpu adamw ") + direction,
-                                                                     tracing::host_spans());
+  if (device < 0)
+    return std::make_unique<schedule::ImmediateStream>(std::string("cpu adamw ") + direction, tracing::host_spans());
   return std::make_unique<gpu::GpuStream>(device, "gpu:" + std::to_string(device) + " adamw " + direction + " stream");
 }
 
 void check_host_state(const Tensor& t, const char* name, std::size_t index, std::int64_t numel) {
   HF_CHECK_VALUE(t.is_cpu() && t.scalar_type() == ScalarType::Float && t.is_contiguous() && t.numel() == numel,
-                 "AdamWStreamer.step: ", name, "[", index, "] must be a contiguous float32 host tensor with ",
-                 numel, " elements; got ", dtype_name(t.scalar_type()), " on ", device_name(t.device()), " with ",
-                 t.numel(), " elements");
+                 "AdamWStreamer.step: ", name, "[", index, "] must be a contiguous float32 host tensor with ", numel,
+                 " elements; got ", dtype_name(t.scalar_type()), " on ", device_name(t.device()), " with ", t.numel(),
+                 " elements");
 }
 
 void check_param(const StreamedParam& p, std::size_t i, int device, bool amsgrad) {
   const Tensor& param = p.param;
   const bool placed = device < 0 ? param.is_cpu() : param.is_cuda() && param.get_device_index() == device;
-  HF_CHECK_VALUE(placed && param.is_contiguous(), "AdamWStreamer.step: params[", i,
-                 "] must be a contiguous tensor on ", device < 0 ? std::string("the CPU (host mode)")
-                                                                 : "cuda:" + std::to_string(device),
-                 "; got ", device_name(param.device()));
+  HF_CHECK_VALUE(placed && param.is_contiguous(), "AdamWStreamer.step: params[", i, "] must be a contiguous tensor on ",
+                 device < 0 ? std::string("the CPU (host mode)") : "cuda:" + std::to_string(device), "; got ",
+                 device_name(param.device()));
   const ScalarType pt = param.scalar_type();
   const bool low = pt == ScalarType::Half || pt == ScalarType::BFloat16;
   HF_CHECK_VALUE(low || pt == ScalarType::Float, "AdamWStreamer.step: params[", i, "] has dtype ", dtype_name(pt),
                  "; expected float32, float16 or bfloat16");
   HF_CHECK_VALUE(low == p.master.has_value(), "AdamWStreamer.step: params[", i, "] is ", dtype_name(pt),
                  low ? " and needs" : " and must not have", " a float32 master");
-  HF_CHECK_VALUE(p.grad.device() == param.device() && p.grad.is_contiguous() &&
-                     p.grad.numel() == param.numel() && is_float_convertible(p.grad.scalar_type()),
+  HF_CHECK_VALUE(p.grad.device() == param.device() && p.grad.is_contiguous() && p.grad.numel() == param.numel() &&
+                     is_float_convertible(p.grad.scalar_type()),
                  "AdamWStreamer.step: grads[", i, "] must be a contiguous float tensor on ",
                  device_name(param.device()), " with ", param.numel(), " elements");
   if (p.master) check_host_state(*p.master, "masters", i, param.numel());
@@ -93,7 +92,7 @@ void AdamWStreamer::synchronize() {
 
 bool AdamWStreamer::ensure_ring(int arrays_per_slot) {
   if (ring_.defined() && arrays_per_slot <= arrays_per_slot_) return false;
-  synchronize();  // the old ring may still be read or written by the last step
+  synchronize();     // the old ring may still be read or written by the last step
   ring_ = Tensor();  // the old ring goes back before the new one is allocated
   const Device where = device_ >= 0 ? cuda_device(device_) : Device(DeviceType::CPU);
   const std::int64_t numel = std::int64_t{slots_} * arrays_per_slot * chunk_numel_;
@@ -166,8 +165,7 @@ void bind_adamw_streamer(py::module_& m) {
               // Converted with the GIL; every tensor here dies after it is taken back (declared before no_gil).
               const std::vector<Tensor> params = tensors_from_python(params_in, "AdamWStreamer.step: params");
               const std::vector<Tensor> grads = tensors_from_python(grads_in, "AdamWStreamer.step: grads");
-              const std::vector<Tensor> masters =
-                  tensors_from_python(masters_in, "AdamWStreamer.step: masters", true);
+              const std::vector<Tensor> masters = tensors_from_python(masters_in, "AdamWStreamer.step: masters", true);
               const std::vector<Tensor> exp_avgs = tensors_from_python(exp_avgs_in, "AdamWStreamer.step: exp_avgs");
               const std::vector<Tensor> exp_avg_sqs =
                   tensors_from_python(exp_avg_sqs_in, "AdamWStreamer.step: exp_avg_sqs");
@@ -188,8 +186,13 @@ void bind_adamw_streamer(py::module_& m) {
                 ps.push_back(StreamedParam{params[i], grads[i], present(masters[i]), exp_avgs[i], exp_avg_sqs[i],
                                            present(maxes[i])});
               }
-              const optim::AdamWHyper h{.lr = lr, .beta1 = beta1, .beta2 = beta2, .eps = eps,
-                                        .weight_decay = weight_decay, .amsgrad = amsgrad, .maximize = maximize};
+              const optim::AdamWHyper h{.lr = lr,
+                                        .beta1 = beta1,
+                                        .beta2 = beta2,
+                                        .eps = eps,
+                                        .weight_decay = weight_decay,
+                                        .amsgrad = amsgrad,
+                                        .maximize = maximize};
               py::gil_scoped_release no_gil;
               self.step(ps, optim::adamw_scalars(h, step));
             });

@@ -28,9 +28,9 @@ namespace hipferry {
 // One parameter's tensors for a streamed step. `param` and `grad` are on the
 // device; the state is float32 on the host, contiguous, with param's numel.
 struct StreamedParam {
-  Tensor param;                   // float32 (updated in place) or float16/bfloat16 (written from the master)
-  Tensor grad;                    // float32, float16 or bfloat16, on param's device
-  std::optional<Tensor> master;   // float32 host master, present exactly when param is low precision
+  Tensor param;                  // float32 (updated in place) or float16/bfloat16 (written from the master)
+  Tensor grad;                   // float32, float16 or bfloat16, on param's device
+  std::optional<Tensor> master;  // float32 host master, present exactly when param is low precision
   Tensor exp_avg;
   Tensor exp_avg_sq;
   std::optional<Tensor> max_exp_avg_sq;  // amsgrad only
@@ -58,14 +58,14 @@ class AdamWStreamer {
   bool ensure_ring(int arrays_per_slot);
 
   int device_;
-  std::int64_t chunk_numel_;  // elements per chunk (each array of a slot holds this many floats)
-  int slots_;                 // ring slots (>= 2)
-  int arrays_per_slot_ = 0;   // float arrays per slot the ring was sized for (2..4)
+  std::int64_t chunk_numel_;               // elements per chunk (each array of a slot holds this many floats)
+  int slots_;                              // ring slots (>= 2)
+  int arrays_per_slot_ = 0;                // float arrays per slot the ring was sized for (2..4)
   std::unique_ptr<schedule::Stream> in_;   // host->device copies of state (GPU stream, or the host)
   std::unique_ptr<schedule::Stream> out_;  // device->host copies of state
   optim::AdamWPipeline pipeline_;
-  Tensor ring_;                     // slots_ * arrays_per_slot_ * chunk_numel_ floats on device_ (undefined at first)
-  std::vector<Tensor> in_flight_;   // host state of the last step, kept until synchronize()
+  Tensor ring_;                    // slots_ * arrays_per_slot_ * chunk_numel_ floats on device_ (undefined at first)
+  std::vector<Tensor> in_flight_;  // host state of the last step, kept until synchronize()
 };
 
 }  // namespace hipferry

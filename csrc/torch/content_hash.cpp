@@ -54,8 +54,7 @@ inline std::uint64_t mix64(std::uint64_t x) {
 using Lanes = std::uint64_t __attribute__((vector_size(32)));  // four 64-bit lanes; a block has two
 
 // Inlined into each build's function below, so it compiles for that build's instruction set.
-[[gnu::always_inline]] inline std::uint64_t block_body(const unsigned char* p, std::int64_t bytes,
-                                                               std::uint64_t seed) {
+[[gnu::always_inline]] inline std::uint64_t block_body(const unsigned char* p, std::int64_t bytes, std::uint64_t seed) {
   Lanes acc[2], key[2];
   for (int j = 0; j < 8; ++j) {
     acc[j / 4][j % 4] = seed ^ (kPrime3 * static_cast<std::uint64_t>(j + 1));
@@ -142,28 +141,29 @@ std::uint64_t content_hash(const std::vector<Span>& spans) {
 }  // namespace
 
 void bind_content_hash(py::module_& m) {
-  m.def("_content_hash",
-        [](py::object tensors) {
-          return translate_errors([&]() -> std::uint64_t {
-            const bool one = PyObject_IsInstance(tensors.ptr(), torch_tensor_type()) == 1;
-            std::vector<Tensor> ts = one ? std::vector<Tensor>{tensor_from_python(tensors, "hipferry._content_hash: t")}
-                                         : tensors_from_python(tensors, "hipferry._content_hash: tensors");
-            std::vector<Span> spans;
-            for (std::size_t i = 0; i < ts.size(); ++i) {
-              const Tensor& t = ts[i];
-              HF_CHECK_VALUE(t.is_cpu() && t.layout() == torch::headeronly::Layout::Strided && t.is_contiguous(),
-                             "hipferry._content_hash: ", one ? "t" : "tensors[" + std::to_string(i) + "]",
-                             " must be a contiguous dense CPU tensor");
-              spans.push_back({static_cast<const unsigned char*>(t.const_data_ptr()),
-                               static_cast<std::int64_t>(nbytes_of(t))});
-            }
-            py::gil_scoped_release no_gil;
-            return content_hash(spans);
-          });
-        },
-        py::arg("tensors"),
-        "A 64-bit fingerprint of the bytes of a contiguous CPU tensor, or of a sequence of them in order "
-        "(position-dependent; the same for any number of threads; torch's thread pool).");
+  m.def(
+      "_content_hash",
+      [](py::object tensors) {
+        return translate_errors([&]() -> std::uint64_t {
+          const bool one = PyObject_IsInstance(tensors.ptr(), torch_tensor_type()) == 1;
+          std::vector<Tensor> ts = one ? std::vector<Tensor>{tensor_from_python(tensors, "hipferry._content_hash: t")}
+                                       : tensors_from_python(tensors, "hipferry._content_hash: tensors");
+          std::vector<Span> spans;
+          for (std::size_t i = 0; i < ts.size(); ++i) {
+            const Tensor& t = ts[i];
+            HF_CHECK_VALUE(t.is_cpu() && t.layout() == torch::headeronly::Layout::Strided && t.is_contiguous(),
+                           "hipferry._content_hash: ", one ? "t" : "tensors[" + std::to_string(i) + "]",
+                           " must be a contiguous dense CPU tensor");
+            spans.push_back(
+                {static_cast<const unsigned char*>(t.const_data_ptr()), static_cast<std::int64_t>(nbytes_of(t))});
+          }
+          py::gil_scoped_release no_gil;
+          return content_hash(spans);
+        });
+      },
+      py::arg("tensors"),
+      "A 64-bit fingerprint of the bytes of a contiguous CPU tensor, or of a sequence of them in order "
+      "(position-dependent; the same for any number of threads; torch's thread pool).");
 }
 
 }  // namespace hipferry

@@ -19,10 +19,11 @@ void* copy_cast_device_address(const Tensor& t, const char* name, int device) {
   try {
     mapped = rt::host_device_pointer(base);
   } catch (const rt::Error& e) {
-    HF_CHECK(false, "hipferry.copy_cast_: ", name,
-             " is pageable host memory (not page-locked and mapped into device ", device,
+    HF_CHECK(false, "hipferry.copy_cast_: ", name, " is pageable host memory (not page-locked and mapped into device ",
+             device,
              "); expected pinned memory: use hipferry's pool, tensor.pin_memory(), or a plain "
-             ".to() for pageable tensors. Runtime said: ", e.what());
+             ".to() for pageable tensors. Runtime said: ",
+             e.what());
   }
   return static_cast<char*>(mapped) + offset;
 }
@@ -40,10 +41,10 @@ void check_copy_cast_args(const Tensor& dst, const Tensor& src) {
   HF_CHECK(dt == st || (is_float_convertible(dt) && is_float_convertible(st)),
            "hipferry.copy_cast_: cannot convert src dtype ", dtype_name(st), " to dst dtype ", dtype_name(dt),
            "; expected float32, float16 or bfloat16 on both sides, or equal dtypes");
-  HF_CHECK(dst.is_contiguous(), "hipferry.copy_cast_: dst must be contiguous (strides ",
-           shape_str(strides_of(dst)), " for shape ", shape_str(ds), "); pass a contiguous tensor");
-  HF_CHECK(src.is_contiguous(), "hipferry.copy_cast_: src must be contiguous (strides ",
-           shape_str(strides_of(src)), " for shape ", shape_str(ss), "); call src.contiguous() first");
+  HF_CHECK(dst.is_contiguous(), "hipferry.copy_cast_: dst must be contiguous (strides ", shape_str(strides_of(dst)),
+           " for shape ", shape_str(ds), "); pass a contiguous tensor");
+  HF_CHECK(src.is_contiguous(), "hipferry.copy_cast_: src must be contiguous (strides ", shape_str(strides_of(src)),
+           " for shape ", shape_str(ss), "); call src.contiguous() first");
   if (dst.device() == src.device() && dst.numel() > 0 && !copy_cast_is_noop(dst, src)) {
     // Both are contiguous: they share memory exactly when their byte ranges meet.
     HF_CHECK(!bytes_overlap(dst, src), "hipferry.copy_cast_: dst and src share memory; expected separate tensors");

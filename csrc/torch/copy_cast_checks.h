@@ -6,7 +6,8 @@
 
 namespace hipferry {
 
-// Throws std::runtime_error (RuntimeError, as torch's own copy checks). Checks layout, shapes, dtypes, contiguity and overlap (not devices).
+// Throws std::runtime_error (RuntimeError, as torch's own copy checks). Checks layout, shapes, dtypes, contiguity and
+// overlap (not devices).
 void check_copy_cast_args(const Tensor& dst, const Tensor& src);
 
 // True when dst and src are the same memory with the same dtype: nothing to do.

@@ -35,18 +35,16 @@ void copy_cast_cpu_run(Tensor& dst, const Tensor& src) {
     auto* d = static_cast<char*>(dst.data_ptr());
     const auto* s = static_cast<const char*>(src.const_data_ptr());
     const int64_t bytes = static_cast<int64_t>(nbytes_of(dst));
-    torch::stable::parallel_for(0, bytes, kGrainElements * 4, [&](int64_t begin, int64_t end) {
-      std::memcpy(d + begin, s + begin, end - begin);
-    });
+    torch::stable::parallel_for(0, bytes, kGrainElements * 4,
+                                [&](int64_t begin, int64_t end) { std::memcpy(d + begin, s + begin, end - begin); });
     return;
   }
   const ElementType st = element_type_of(src);
   const ElementType dt = element_type_of(dst);
   const void* s = src.const_data_ptr();
   void* d = dst.data_ptr();
-  torch::stable::parallel_for(0, dst.numel(), kGrainElements, [&](int64_t begin, int64_t end) {
-    copy_cast_cpu(s, st, d, dt, begin, end);
-  });
+  torch::stable::parallel_for(0, dst.numel(), kGrainElements,
+                              [&](int64_t begin, int64_t end) { copy_cast_cpu(s, st, d, dt, begin, end); });
 }
 
 }  // namespace

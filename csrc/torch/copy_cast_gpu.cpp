@@ -11,11 +11,11 @@
 #include <string>
 
 #include "csrc/core/errors.h"
-#include "hip/copy_cast_kernel.h"
-#include "hip/runtime.h"
 #include "csrc/torch/copy_cast_checks.h"
 #include "csrc/torch/current_stream.h"
 #include "csrc/torch/pinned_pool.h"
+#include "hip/copy_cast_kernel.h"
+#include "hip/runtime.h"
 #include "hip/trace_session.h"
 
 namespace hipferry {
@@ -49,8 +49,7 @@ void copy_cast_gpu_kernel(Tensor dst, Tensor src) {
     if (dst.scalar_type() == src.scalar_type()) {
       rt::memcpy_async(d, s, nbytes_of(dst), stream);
     } else {
-      gpu::launch_copy_cast(s, element_type_of(src), d, element_type_of(dst), dst.numel(), stream,
-                            device);
+      gpu::launch_copy_cast(s, element_type_of(src), d, element_type_of(dst), dst.numel(), stream, device);
     }
     span.end();
     // Pool blocks this copy reads or writes go back only after it has run.

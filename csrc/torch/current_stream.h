@@ -7,7 +7,7 @@
 
 namespace hipferry {
 
-int current_torch_device();                          // torch.cuda.current_device()
+int current_torch_device();                         // torch.cuda.current_device()
 rt::StreamHandle current_torch_stream(int device);  // torch.cuda.current_stream(device)
 
 }  // namespace hipferry

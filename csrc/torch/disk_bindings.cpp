@@ -59,8 +59,10 @@ class DiskIo {
  public:
   DiskIo(const std::string& backend, std::size_t depth, std::size_t request_bytes) : request_bytes_(request_bytes) {
     HF_CHECK_VALUE(depth >= 1 && depth <= 4096, "DiskIo: depth must be in [1, 4096], got ", depth);
-    HF_CHECK_VALUE(request_bytes >= 4096 && request_bytes % 4096 == 0, "DiskIo: request_bytes must be a multiple "
-                   "of 4096, got ", request_bytes);
+    HF_CHECK_VALUE(request_bytes >= 4096 && request_bytes % 4096 == 0,
+                   "DiskIo: request_bytes must be a multiple "
+                   "of 4096, got ",
+                   request_bytes);
     backend_ = disk::make_backend(backend, depth, &note_);
     if (g_backend_wrapper != nullptr) backend_ = g_backend_wrapper(std::move(backend_));
     queue_ = std::make_unique<disk::IoQueue>(*backend_, request_bytes);
@@ -122,8 +124,8 @@ std::vector<const FileRef*> DiskIo::file_list(const py::handle& ids, std::size_t
   return out;
 }
 
-disk::ParamPass DiskIo::param_pass(const py::dict& d, disk::PassKind kind, std::size_t arrays,
-                                   std::int64_t chunk_numel, std::vector<Tensor>& keep) {
+disk::ParamPass DiskIo::param_pass(const py::dict& d, disk::PassKind kind, std::size_t arrays, std::int64_t chunk_numel,
+                                   std::vector<Tensor>& keep) {
   disk::ParamPass p;
   p.numel = d["numel"].cast<std::int64_t>();
   p.offsets = d["offsets"].cast<std::vector<std::uint64_t>>();
@@ -136,7 +138,8 @@ disk::ParamPass DiskIo::param_pass(const py::dict& d, disk::PassKind kind, std::
     keep.push_back(cpu_tensor(d[key], key, bytes));
     return keep.back();
   };
-  if (Tensor t = take("crc_in", checksums); t.defined()) p.crc_in = static_cast<const std::uint32_t*>(t.const_data_ptr());
+  if (Tensor t = take("crc_in", checksums); t.defined())
+    p.crc_in = static_cast<const std::uint32_t*>(t.const_data_ptr());
   if (Tensor t = take("crc_out", checksums); t.defined()) p.crc_out = static_cast<std::uint32_t*>(t.mutable_data_ptr());
   if (Tensor t = take("grad", 0); t.defined()) {
     HF_CHECK_VALUE(t.numel() == p.numel && is_float_convertible(t.scalar_type()), kFn, "grad must hold ", p.numel,
@@ -159,9 +162,13 @@ disk::ParamPass DiskIo::param_pass(const py::dict& d, disk::PassKind kind, std::
   p.adopt = d.contains("adopt") && d["adopt"].cast<bool>();
   if (kind == disk::PassKind::kStep) {
     const auto hyper = d["hyper"].cast<std::tuple<double, double, double, double, double, bool, bool>>();
-    const optim::AdamWHyper h{.lr = std::get<0>(hyper), .beta1 = std::get<1>(hyper), .beta2 = std::get<2>(hyper),
-                              .eps = std::get<3>(hyper), .weight_decay = std::get<4>(hyper),
-                              .amsgrad = std::get<5>(hyper), .maximize = std::get<6>(hyper)};
+    const optim::AdamWHyper h{.lr = std::get<0>(hyper),
+                              .beta1 = std::get<1>(hyper),
+                              .beta2 = std::get<2>(hyper),
+                              .eps = std::get<3>(hyper),
+                              .weight_decay = std::get<4>(hyper),
+                              .amsgrad = std::get<5>(hyper),
+                              .maximize = std::get<6>(hyper)};
     const std::int64_t step = d["step"].cast<std::int64_t>();
     HF_CHECK_VALUE(step >= 1, kFn, "step must be >= 1, got ", step);
     p.scalars = optim::adamw_scalars(h, step);
@@ -172,7 +179,10 @@ disk::ParamPass DiskIo::param_pass(const py::dict& d, disk::PassKind kind, std::
     for (const py::handle& o : d[key]) {
       keep.push_back(cpu_tensor(o, key, 0, true));
       void* ptr = keep.back().defined() ? keep.back().mutable_data_ptr() : nullptr;
-      if (key[0] == 's') p.sources.push_back(ptr); else p.dests.push_back(ptr);
+      if (key[0] == 's')
+        p.sources.push_back(ptr);
+      else
+        p.dests.push_back(ptr);
     }
   }
   return p;
@@ -232,8 +242,10 @@ void DiskIo::raw_pass(const std::string& op, int id, std::uint64_t bytes, py::ha
       for (; next < bytes && !free_buffers.empty(); free_buffers.pop_back()) {
         const std::uint64_t b = free_buffers.back();
         const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(request_bytes_, bytes - next));
-        if (op == "read") queue_->read(f, next, base + b * request_bytes_, n, b);
-        else queue_->write(f, next, base + b * request_bytes_, n, b);
+        if (op == "read")
+          queue_->read(f, next, base + b * request_bytes_, n, b);
+        else
+          queue_->write(f, next, base + b * request_bytes_, n, b);
         next += n;
       }
       done.clear();
@@ -263,40 +275,71 @@ void bind_disk(py::module_& m) {
     }
   });
   py::class_<DiskIo>(m, "DiskIo")
-      .def(py::init<const std::string&, std::size_t, std::size_t>(), py::arg("backend") = "auto",
-           py::arg("depth") = 32, py::arg("request_bytes") = std::size_t{1} << 20)
+      .def(py::init<const std::string&, std::size_t, std::size_t>(), py::arg("backend") = "auto", py::arg("depth") = 32,
+           py::arg("request_bytes") = std::size_t{1} << 20)
       .def_property_readonly("backend", &DiskIo::backend_name)
       .def_property_readonly("note", &DiskIo::note)
-      .def("open", [](DiskIo& d, const std::string& path, bool create, bool allow_direct) {
-        return translate_errors([&] { return d.open(path, create, allow_direct); });
-      }, py::arg("path"), py::arg("create"), py::arg("allow_direct") = true)
+      .def(
+          "open",
+          [](DiskIo& d, const std::string& path, bool create, bool allow_direct) {
+            return translate_errors([&] { return d.open(path, create, allow_direct); });
+          },
+          py::arg("path"), py::arg("create"), py::arg("allow_direct") = true)
       .def("file_info", &DiskIo::file_info, py::arg("file"), "(path, O_DIRECT?, why not, fd)")
-      .def("reserve", [](DiskIo& d, int f, std::uint64_t b) { py::gil_scoped_release g; d.reserve(f, b); },
-           py::arg("file"), py::arg("bytes"))
-      .def("sync", [](DiskIo& d, int f) { py::gil_scoped_release g; d.sync(f); }, py::arg("file"))
+      .def(
+          "reserve",
+          [](DiskIo& d, int f, std::uint64_t b) {
+            py::gil_scoped_release g;
+            d.reserve(f, b);
+          },
+          py::arg("file"), py::arg("bytes"))
+      .def(
+          "sync",
+          [](DiskIo& d, int f) {
+            py::gil_scoped_release g;
+            d.sync(f);
+          },
+          py::arg("file"))
       .def("close", &DiskIo::close)
       .def("counters", &DiskIo::counters)
-      .def("run_pass", [](DiskIo& d, const std::string& kind, const std::string& format, bool amsgrad,
-                          std::int64_t chunk_numel, py::handle window, const py::list& params) {
-        translate_errors([&] { d.run_pass(kind, format, amsgrad, chunk_numel, window, params); });
-      }, py::arg("kind"), py::arg("format"), py::arg("amsgrad"), py::arg("chunk_numel"), py::arg("window"),
-         py::arg("params"))
-      .def("raw_pass", [](DiskIo& d, const std::string& op, int file, std::uint64_t bytes, py::handle window) {
-        translate_errors([&] { d.raw_pass(op, file, bytes, window); });
-      }, py::arg("op"), py::arg("file"), py::arg("bytes"), py::arg("window"),
-         "Reads or writes bytes [0, bytes) of a file through the queue (no compute): the disk bench's reader/writer.");
-  m.def("_disk_regions", [](const std::string& format, bool amsgrad, std::int64_t numel) {
-    std::vector<std::uint64_t> out;
-    for (const auto& f : disk::state_arrays(format_of(format), amsgrad)) out.push_back(disk::region_bytes(f, numel));
-    return out;
-  }, py::arg("format"), py::arg("amsgrad"), py::arg("numel"), "Page-rounded bytes of each state array of a parameter.");
-  m.def("_disk_chunk_buffer_bytes", [](const std::string& format, bool amsgrad, std::int64_t chunk_numel) {
-    return disk::chunk_buffer_bytes(format_of(format), amsgrad, chunk_numel);
-  }, py::arg("format"), py::arg("amsgrad"), py::arg("chunk_numel"));
-  m.def("_crc32c", [](py::handle t, std::uint32_t crc) {
-    Tensor x = cpu_tensor(t, "data", 0);
-    return disk::crc32c(x.const_data_ptr(), nbytes_of(x), crc);
-  }, py::arg("data"), py::arg("crc") = 0, "CRC-32C of a contiguous CPU tensor's bytes.");
+      .def(
+          "run_pass",
+          [](DiskIo& d, const std::string& kind, const std::string& format, bool amsgrad, std::int64_t chunk_numel,
+             py::handle window, const py::list& params) {
+            translate_errors([&] { d.run_pass(kind, format, amsgrad, chunk_numel, window, params); });
+          },
+          py::arg("kind"), py::arg("format"), py::arg("amsgrad"), py::arg("chunk_numel"), py::arg("window"),
+          py::arg("params"))
+      .def(
+          "raw_pass",
+          [](DiskIo& d, const std::string& op, int file, std::uint64_t bytes, py::handle window) {
+            translate_errors([&] { d.raw_pass(op, file, bytes, window); });
+          },
+          py::arg("op"), py::arg("file"), py::arg("bytes"), py::arg("window"),
+          "Reads or writes bytes [0, bytes) of a file through the queue (no compute): the disk bench's reader/writer.");
+  m.def(
+      "_disk_regions",
+      [](const std::string& format, bool amsgrad, std::int64_t numel) {
+        std::vector<std::uint64_t> out;
+        for (const auto& f : disk::state_arrays(format_of(format), amsgrad))
+          out.push_back(disk::region_bytes(f, numel));
+        return out;
+      },
+      py::arg("format"), py::arg("amsgrad"), py::arg("numel"),
+      "Page-rounded bytes of each state array of a parameter.");
+  m.def(
+      "_disk_chunk_buffer_bytes",
+      [](const std::string& format, bool amsgrad, std::int64_t chunk_numel) {
+        return disk::chunk_buffer_bytes(format_of(format), amsgrad, chunk_numel);
+      },
+      py::arg("format"), py::arg("amsgrad"), py::arg("chunk_numel"));
+  m.def(
+      "_crc32c",
+      [](py::handle t, std::uint32_t crc) {
+        Tensor x = cpu_tensor(t, "data", 0);
+        return disk::crc32c(x.const_data_ptr(), nbytes_of(x), crc);
+      },
+      py::arg("data"), py::arg("crc") = 0, "CRC-32C of a contiguous CPU tensor's bytes.");
   m.def("_crc32c_hardware", &disk::crc32c_hardware);
 }
 

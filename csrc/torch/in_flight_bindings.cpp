@@ -45,21 +45,22 @@ void bind_in_flight_window(py::module_& m) {
              });
            }),
            py::arg("max_bytes"))
-      .def("admit",
-           [](schedule::InFlightWindow& w, std::size_t bytes) { translate_errors([&] { w.admit(bytes); }); },
-           py::arg("bytes"), "Settles what completed, then waits for the oldest until `bytes` more fit.")
-      .def("add",
-           [](schedule::InFlightWindow& w, std::shared_ptr<Transfer> t, std::size_t bytes, py::object settled) {
-             std::function<void()> callback;
-             if (!settled.is_none()) {
-               // Runs on the settling thread, which holds the GIL (admit / settle / drain are called from Python).
-               auto fn = std::make_shared<py::object>(std::move(settled));
-               callback = [fn] { (*fn)(); };
-             }
-             return w.add(std::make_shared<TransferEvent>(std::move(t)), bytes, std::move(callback));
-           },
-           py::arg("transfer"), py::arg("bytes"), py::arg("settled") = py::none(),
-           "Counts a transfer in flight; returns its entry id. `settled()` runs when the window settles it.")
+      .def(
+          "admit", [](schedule::InFlightWindow& w, std::size_t bytes) { translate_errors([&] { w.admit(bytes); }); },
+          py::arg("bytes"), "Settles what completed, then waits for the oldest until `bytes` more fit.")
+      .def(
+          "add",
+          [](schedule::InFlightWindow& w, std::shared_ptr<Transfer> t, std::size_t bytes, py::object settled) {
+            std::function<void()> callback;
+            if (!settled.is_none()) {
+              // Runs on the settling thread, which holds the GIL (admit / settle / drain are called from Python).
+              auto fn = std::make_shared<py::object>(std::move(settled));
+              callback = [fn] { (*fn)(); };
+            }
+            return w.add(std::make_shared<TransferEvent>(std::move(t)), bytes, std::move(callback));
+          },
+          py::arg("transfer"), py::arg("bytes"), py::arg("settled") = py::none(),
+          "Counts a transfer in flight; returns its entry id. `settled()` runs when the window settles it.")
       .def("withdraw", &schedule::InFlightWindow::withdraw, py::arg("id"),
            "Takes entry `id` back unsettled (its callback never runs); False if it is no longer in the window.")
       .def("settle", [](schedule::InFlightWindow& w) { return translate_errors([&] { return w.settle(); }); })

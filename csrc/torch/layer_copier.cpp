@@ -19,8 +19,8 @@
 #include <string>
 #include <vector>
 
-#include "csrc/core/errors.h"
 #include "csrc/core/copy_cast_cpu.h"
+#include "csrc/core/errors.h"
 #include "csrc/core/schedule/host_streams.h"
 #include "csrc/core/transfer/serial_worker.h"
 #include "csrc/torch/copy_cast_checks.h"
@@ -67,8 +67,8 @@ class LayerCopier {
   }
 
   std::shared_ptr<CopyTicket> start(const std::vector<Tensor>& dsts, const std::vector<Tensor>& srcs) {
-    HF_CHECK_VALUE(dsts.size() == srcs.size(), "LayerCopier.start: ", dsts.size(), " destinations for ",
-                   srcs.size(), " sources; expected one each");
+    HF_CHECK_VALUE(dsts.size() == srcs.size(), "LayerCopier.start: ", dsts.size(), " destinations for ", srcs.size(),
+                   " sources; expected one each");
     const bool gpu = device_ >= 0;
     for (std::size_t i = 0; i < dsts.size(); ++i) {  // everything checked before anything is queued
       check_copy_cast_args(dsts[i], srcs[i]);
@@ -95,7 +95,8 @@ class LayerCopier {
     for (schedule::Work& w : work) stream_->enqueue(std::move(w));
     ticket->done = stream_->record();
     if (gpu) {
-      for (const Tensor& t : ticket->tensors) record_pool_use(t, device_, static_cast<gpu::GpuStream&>(*stream_).handle());
+      for (const Tensor& t : ticket->tensors)
+        record_pool_use(t, device_, static_cast<gpu::GpuStream&>(*stream_).handle());
     }
     return ticket;
   }
@@ -171,19 +172,21 @@ void bind_layer_copier(py::module_& m) {
              });
            }),
            py::arg("device"))
-      .def("start",
-           [](LayerCopier& self, py::object dsts_in, py::object srcs_in) {
-             return translate_errors([&] {
-               // Converted with the GIL; the lists die after it is taken back (declared before no_gil). The
-               // ticket's copies die when Python lets go of the ticket, with the GIL.
-               const std::vector<Tensor> dsts = tensors_from_python(dsts_in, "LayerCopier.start: dsts");
-               const std::vector<Tensor> srcs = tensors_from_python(srcs_in, "LayerCopier.start: srcs");
-               py::gil_scoped_release no_gil;
-               return self.start(dsts, srcs);
-             });
-           },
-           py::arg("dsts"), py::arg("srcs"))
-      .def("done", [](LayerCopier& self, const CopyTicket& t) { return translate_errors([&] { return self.done(t); }); })
+      .def(
+          "start",
+          [](LayerCopier& self, py::object dsts_in, py::object srcs_in) {
+            return translate_errors([&] {
+              // Converted with the GIL; the lists die after it is taken back (declared before no_gil). The
+              // ticket's copies die when Python lets go of the ticket, with the GIL.
+              const std::vector<Tensor> dsts = tensors_from_python(dsts_in, "LayerCopier.start: dsts");
+              const std::vector<Tensor> srcs = tensors_from_python(srcs_in, "LayerCopier.start: srcs");
+              py::gil_scoped_release no_gil;
+              return self.start(dsts, srcs);
+            });
+          },
+          py::arg("dsts"), py::arg("srcs"))
+      .def("done",
+           [](LayerCopier& self, const CopyTicket& t) { return translate_errors([&] { return self.done(t); }); })
       .def("wait",
            [](LayerCopier& self, const CopyTicket& t) {
              translate_errors([&] {

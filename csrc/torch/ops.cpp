@@ -20,11 +20,12 @@ STABLE_TORCH_LIBRARY(hipferry, m) {
   // param_out also bfloat16 / float16): in place, or (param_in and the *_in
   // state given) reading those and writing param and the state. adopt_out: param_out is
   // the parameter itself, and what the user wrote there is taken as the master first.
-  m.def("adamw_step_(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "
-        "Tensor(d!)? max_exp_avg_sq, Tensor(e!)? param_out, int step, float lr, float beta1, float beta2, "
-        "float eps, float weight_decay, bool amsgrad, bool maximize, Tensor? param_in=None, "
-        "Tensor? exp_avg_in=None, Tensor? exp_avg_sq_in=None, Tensor? max_exp_avg_sq_in=None, "
-        "bool adopt_out=False) -> ()");
+  m.def(
+      "adamw_step_(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "
+      "Tensor(d!)? max_exp_avg_sq, Tensor(e!)? param_out, int step, float lr, float beta1, float beta2, "
+      "float eps, float weight_decay, bool amsgrad, bool maximize, Tensor? param_in=None, "
+      "Tensor? exp_avg_in=None, Tensor? exp_avg_sq_in=None, Tensor? max_exp_avg_sq_in=None, "
+      "bool adopt_out=False) -> ()");
   // Whether two contiguous CPU tensors of as many bytes hold the same bytes.
   // Its result depends on the data: traced code cannot know it (the tag).
   m.def("bits_equal(Tensor a, Tensor b) -> bool", {at::Tag::data_dependent_output});

@@ -16,7 +16,7 @@
 namespace hipferry {
 namespace {
 
-std::mutex registry_mutex;  // guards registry, every_pool and next_id
+std::mutex registry_mutex;                                                   // guards registry, every_pool and next_id
 std::unordered_map<std::int64_t, std::shared_ptr<pool::HostPool>> registry;  // the open pools, by id
 // Every pool that may still have live blocks, closed ones included (a tensor
 // keeps its pool alive): record_pool_use looks a tensor's block up in each.
@@ -104,8 +104,8 @@ Tensor pool_empty(std::int64_t pool_id, const Shape& sizes, ScalarType dtype, st
            alignment, " is not supported; expected 256 (the default) or 4096 (a page, as O_DIRECT needs)");
   bool empty = false;
   for (std::size_t i = 0; i < sizes.size(); ++i) {
-    HF_CHECK(sizes[i] >= 0, "hipferry.PinnedPool.empty: size has a negative dimension ", sizes[i],
-             " at index ", i, "; expected sizes >= 0");
+    HF_CHECK(sizes[i] >= 0, "hipferry.PinnedPool.empty: size has a negative dimension ", sizes[i], " at index ", i,
+             "; expected sizes >= 0");
     empty = empty || sizes[i] == 0;
   }
   std::int64_t numel = empty ? 0 : 1;  // a zero-element shape is fine however large its other dimensions

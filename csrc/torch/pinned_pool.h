@@ -16,7 +16,7 @@ struct PinnedPoolConfig {
   std::string provider = "auto";  // see make_host_memory_provider
   unsigned flags = 0;             // rt::HostAllocFlags
   int register_threads = 8;
-  pool::PoolOptions options;      // NUMA placement included (numa_node, device_nodes)
+  pool::PoolOptions options;  // NUMA placement included (numa_node, device_nodes)
 };
 
 // Creates a pool and returns its id. Throws pool::PoolError for bad options.

@@ -92,12 +92,13 @@ void bind_pinned_pool(py::module_& m) {
         py::arg("capacity"), py::arg("max_cached_bytes"), py::arg("reserve_bytes"), py::arg("capacity_origin") = "",
         py::arg("numa_node") = -1, py::arg("device_nodes") = std::vector<int>{},
         py::arg("growth_limit") = pool::PoolOptions{}.growth_limit);
-  m.def("numa_device_nodes",
-        [](const std::vector<std::string>& pci_bus_ids, const std::string& sysfs_root) {
-          return pool::NumaTopology::read(sysfs_root).device_nodes(pci_bus_ids, sysfs_root);
-        },
-        py::arg("pci_bus_ids"), py::arg("sysfs_root") = "/sys",
-        "The NUMA node each device's pinned memory should come from (-1: no binding: one node, or unknown).");
+  m.def(
+      "numa_device_nodes",
+      [](const std::vector<std::string>& pci_bus_ids, const std::string& sysfs_root) {
+        return pool::NumaTopology::read(sysfs_root).device_nodes(pci_bus_ids, sysfs_root);
+      },
+      py::arg("pci_bus_ids"), py::arg("sysfs_root") = "/sys",
+      "The NUMA node each device's pinned memory should come from (-1: no binding: one node, or unknown).");
   m.def("pool_node_of_block", [](std::int64_t id, std::uintptr_t host) {
     return pinned_pool(id)->node_of_block(reinterpret_cast<void*>(host));
   });
@@ -105,8 +106,9 @@ void bind_pinned_pool(py::module_& m) {
     const pool::PoolOptions& o = pinned_pool(id)->options();
     return py::make_tuple(o.numa_node, o.device_nodes);
   });
-  m.def("numa_node_of_address", [](std::uintptr_t p) { return pool::node_of_address(reinterpret_cast<const void*>(p)); },
-        py::arg("address"), "The NUMA node of the touched page at `address` (-1: the kernel cannot say).");
+  m.def(
+      "numa_node_of_address", [](std::uintptr_t p) { return pool::node_of_address(reinterpret_cast<const void*>(p)); },
+      py::arg("address"), "The NUMA node of the touched page at `address` (-1: the kernel cannot say).");
   m.def("destroy_pinned_pool", [](std::int64_t id) {
     py::gil_scoped_release no_gil;
     destroy_pinned_pool(id);
@@ -124,11 +126,11 @@ void bind_pinned_pool(py::module_& m) {
   });
   m.def("pool_provider", [](std::int64_t id) { return pinned_pool(id)->provider_name(); });
   m.def("pool_check_invariants", [](std::int64_t id) { pinned_pool(id)->check_invariants(); });
-  m.def("pool_owns", [](std::int64_t id, std::uintptr_t host) {
-    return pinned_pool(id)->owns(reinterpret_cast<void*>(host));
-  });
+  m.def("pool_owns",
+        [](std::int64_t id, std::uintptr_t host) { return pinned_pool(id)->owns(reinterpret_cast<void*>(host)); });
   m.def("pool_record_use", [](std::int64_t id, std::uintptr_t host, int device, std::uintptr_t stream) {
-    pinned_pool(id)->record_use(reinterpret_cast<void*>(host), pool::StreamUse{device, reinterpret_cast<void*>(stream)});
+    pinned_pool(id)->record_use(reinterpret_cast<void*>(host),
+                                pool::StreamUse{device, reinterpret_cast<void*>(stream)});
   });
 }
 

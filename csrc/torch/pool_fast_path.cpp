@@ -120,11 +120,11 @@ int plain_tensor(PyObject* obj) {
     return 0;
   }
   PyObject* values[2] = {PyObject_GetAttr(obj, requires_grad), nullptr};
-  if (values[0] == Py_False) values[1] = PyObject_VectorcallMethod(is_neg, &obj, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET,
-                                                                   nullptr);
+  if (values[0] == Py_False)
+    values[1] = PyObject_VectorcallMethod(is_neg, &obj, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
   const int plain = values[0] == nullptr || (values[0] == Py_False && values[1] == nullptr) ? -1
-                    : values[0] == Py_False && values[1] == Py_False                      ? 1
-                                                                                          : 0;
+                    : values[0] == Py_False && values[1] == Py_False                        ? 1
+                                                                                            : 0;
   Py_XDECREF(values[0]);
   Py_XDECREF(values[1]);
   return plain;
@@ -210,8 +210,7 @@ PyObject* pool_pin_fast(PyObject* /*module*/, PyObject* const* args, Py_ssize_t 
 }
 
 PyMethodDef fast_path_methods[] = {
-    {"pool_empty_fast", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&pool_empty_fast)),
-     METH_FASTCALL,
+    {"pool_empty_fast", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&pool_empty_fast)), METH_FASTCALL,
      "pool_empty_fast(pool_id, size, dtype, for_device[, alignment]) -> Tensor | None (Note [pool fast path])"},
     {"pool_pin_fast", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&pool_pin_fast)), METH_FASTCALL,
      "pool_pin_fast(pool_id, tensor) -> Tensor | None (Note [pool fast path])"},

@@ -8,9 +8,9 @@
 
 #include "csrc/core/copy_cast_cpu.h"
 #include "csrc/core/cpu/cpu_isa.h"
-#include "hip/pinned_memory.h"
 #include "csrc/core/host_pool/numa_topology.h"
 #include "csrc/torch/tensor_bridge.h"
+#include "hip/pinned_memory.h"
 #include "hip/runtime.h"
 
 namespace py = pybind11;
@@ -89,34 +89,36 @@ py::dict check_host_memory(int device, std::size_t bytes, unsigned flags, bool u
 }  // namespace
 
 namespace hipferry {
-void bind_pinned_pool(py::module_& m);  // pool_bindings.cpp
-void bind_pool_fast_path(py::module_& m);  // pool_fast_path.cpp
-void bind_transfers(py::module_& m);    // transfer_bindings.cpp
-void bind_adamw(py::module_& m);        // adamw_step.cpp
-void bind_adamw8bit(py::module_& m);    // adamw8bit_step.cpp
-void bind_disk(py::module_& m);         // disk_bindings.cpp
-void bind_adamw_streamer(py::module_& m);  // adamw_streamer.cpp
-void bind_layer_copier(py::module_& m);    // layer_copier.cpp
+void bind_pinned_pool(py::module_& m);       // pool_bindings.cpp
+void bind_pool_fast_path(py::module_& m);    // pool_fast_path.cpp
+void bind_transfers(py::module_& m);         // transfer_bindings.cpp
+void bind_adamw(py::module_& m);             // adamw_step.cpp
+void bind_adamw8bit(py::module_& m);         // adamw8bit_step.cpp
+void bind_disk(py::module_& m);              // disk_bindings.cpp
+void bind_adamw_streamer(py::module_& m);    // adamw_streamer.cpp
+void bind_layer_copier(py::module_& m);      // layer_copier.cpp
 void bind_in_flight_window(py::module_& m);  // in_flight_bindings.cpp
 void bind_content_hash(py::module_& m);      // content_hash.cpp
 void bind_thread_fp_modes(py::module_& m);   // thread_fp_modes.cpp
 #if defined(HIPFERRY_TEST_HOOKS)
 void bind_test_hooks(py::module_& m);  // csrc/testing/test_hooks.cpp: built with the tests only
 #endif
-}
+}  // namespace hipferry
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "hipferry native module: ops are under torch.ops.hipferry";
   init_tensor_bridge();
   py::register_exception<rt::Error>(m, "RuntimeLayerError", PyExc_RuntimeError);
   m.def("build_info", &build_info, "What this binary was built for.");
-  m.def("cpu_isa", [] { return cpu::isa_name(cpu::active_isa()); },
-        "The build of the CPU loops in use: 'avx512', 'avx2' or 'baseline' (HIPFERRY_CPU_ISA; ValueError if invalid).");
+  m.def(
+      "cpu_isa", [] { return cpu::isa_name(cpu::active_isa()); },
+      "The build of the CPU loops in use: 'avx512', 'avx2' or 'baseline' (HIPFERRY_CPU_ISA; ValueError if invalid).");
   m.def("device_count", &rt::device_count, "GPU devices visible to the runtime (0 without).");
   m.def("device_info", &device_info, py::arg("device"));
-  m.def("numa_nodes", [] { return pool::NumaTopology::read().nodes; }, "The host's online NUMA nodes.");
-  m.def("check_host_memory", &check_host_memory, py::arg("device"), py::arg("bytes"),
-        py::arg("flags"), py::arg("use_register") = false);
+  m.def(
+      "numa_nodes", [] { return pool::NumaTopology::read().nodes; }, "The host's online NUMA nodes.");
+  m.def("check_host_memory", &check_host_memory, py::arg("device"), py::arg("bytes"), py::arg("flags"),
+        py::arg("use_register") = false);
   bind_pinned_pool(m);
   bind_pool_fast_path(m);
   bind_transfers(m);

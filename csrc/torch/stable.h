@@ -63,8 +63,8 @@ inline bool is_float_convertible(ScalarType t) {
   return t == ScalarType::Float || t == ScalarType::Half || t == ScalarType::BFloat16;
 }
 inline bool is_quantized(ScalarType t) {
-  return t == ScalarType::QInt8 || t == ScalarType::QUInt8 || t == ScalarType::QInt32 ||
-         t == ScalarType::QUInt4x2 || t == ScalarType::QUInt2x4;
+  return t == ScalarType::QInt8 || t == ScalarType::QUInt8 || t == ScalarType::QInt32 || t == ScalarType::QUInt4x2 ||
+         t == ScalarType::QUInt2x4;
 }
 std::size_t element_size_of(ScalarType t);
 // Every dtype dtype_name, parse_dtype and element_size_of know (tested against torch.dtype).

@@ -6,8 +6,8 @@
 
 #include <cstddef>
 #include <cstdlib>
-#include <string>
 #include <mutex>
+#include <string>
 #include <unordered_map>
 
 #include "csrc/core/errors.h"
@@ -26,8 +26,7 @@ constexpr const char* kWrapSymbol = "_Z16THPVariable_WrapRKN2at10TensorBaseE";
 // torch 2.13's THPVariable (torch/csrc/autograd/python_variable.h there): the
 // header, then the at::Tensor (one intrusive pointer) the object stands for.
 struct ThpVariable213 {
-  PyObject_HEAD
-  void* cdata;
+  PyObject_HEAD void* cdata;
 };
 
 enum class BridgeKind { kShim, kThpVariable213, kStashOp };
@@ -63,8 +62,8 @@ bool thp_variable_213_agrees(WrapTensor wrap) {
   AtenTensorHandle owned = nullptr;
   if (aoti_torch_new_tensor_handle(borrowed_handle_213(probe.ptr()), &owned) != AOTI_TORCH_SUCCESS) return false;
   Tensor t(owned);
-  if (t.numel() != 7 || reinterpret_cast<std::uintptr_t>(t.const_data_ptr()) !=
-                            probe.attr("data_ptr")().cast<std::uintptr_t>()) {
+  if (t.numel() != 7 ||
+      reinterpret_cast<std::uintptr_t>(t.const_data_ptr()) != probe.attr("data_ptr")().cast<std::uintptr_t>()) {
     return false;
   }
   py::object back = py::reinterpret_steal<py::object>(wrap(t.get()));
@@ -168,9 +167,12 @@ void init_tensor_bridge() { (void)bridge(); }
 
 std::string tensor_bridge_kind() {
   switch (bridge().kind) {
-    case BridgeKind::kShim: return "pyobject shim";
-    case BridgeKind::kThpVariable213: return "torch 2.13 THPVariable";
-    case BridgeKind::kStashOp: break;
+    case BridgeKind::kShim:
+      return "pyobject shim";
+    case BridgeKind::kThpVariable213:
+      return "torch 2.13 THPVariable";
+    case BridgeKind::kStashOp:
+      break;
   }
   return "stash op";
 }
@@ -186,8 +188,8 @@ Tensor tensor_from_python(py::handle obj, const char* what, bool allow_none) {
 }
 
 std::vector<Tensor> tensors_from_python(py::handle sequence, const char* what, bool allow_none) {
-  HF_CHECK_TYPE(PySequence_Check(sequence.ptr()) && !py::isinstance<py::str>(sequence), what,
-                " is a ", std::string(py::str(py::type::handle_of(sequence).attr("__name__"))),
+  HF_CHECK_TYPE(PySequence_Check(sequence.ptr()) && !py::isinstance<py::str>(sequence), what, " is a ",
+                std::string(py::str(py::type::handle_of(sequence).attr("__name__"))),
                 "; expected a list of torch.Tensor");
   py::sequence items = py::reinterpret_borrow<py::sequence>(sequence);
   const std::size_t n = items.size();

@@ -74,13 +74,15 @@ void set_thread_modes(const std::vector<std::uint32_t>& modes) {
 }  // namespace
 
 void bind_thread_fp_modes(py::module_& m) {
-  m.def("_thread_fp_modes", [] { return translate_errors([] { return thread_modes(); }); },
-        "The denormal mode of each of torch's intra-op threads as the calling thread's parallel loops use them "
-        "(index i: the thread that runs chunk i; 0: denormals kept).");
-  m.def("_set_thread_fp_modes",
-        [](const std::vector<std::uint32_t>& modes) { translate_errors([&] { set_thread_modes(modes); }); },
-        py::arg("modes"),
-        "Gives each of the calling thread's intra-op threads the mode at its index (from _thread_fp_modes).");
+  m.def(
+      "_thread_fp_modes", [] { return translate_errors([] { return thread_modes(); }); },
+      "The denormal mode of each of torch's intra-op threads as the calling thread's parallel loops use them "
+      "(index i: the thread that runs chunk i; 0: denormals kept).");
+  m.def(
+      "_set_thread_fp_modes",
+      [](const std::vector<std::uint32_t>& modes) { translate_errors([&] { set_thread_modes(modes); }); },
+      py::arg("modes"),
+      "Gives each of the calling thread's intra-op threads the mode at its index (from _thread_fp_modes).");
 }
 
 }  // namespace hipferry

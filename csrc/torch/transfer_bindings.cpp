@@ -11,8 +11,8 @@
 #include "csrc/torch/python_errors.h"
 #include "csrc/torch/stable.h"
 #include "csrc/torch/tensor_bridge.h"
-#include "hip/trace_session.h"
 #include "csrc/torch/transfer_engine.h"
+#include "hip/trace_session.h"
 
 namespace py = pybind11;
 
@@ -103,30 +103,33 @@ void bind_transfers(py::module_& m) {
   // records the results on the current stream when told to.
   py::class_<Transfer, std::shared_ptr<Transfer>>(m, "Transfer")
       .def("wait", &wait)
-      .def("ready", [](Transfer& t) { return translate_errors([&] { return t.ready(); }); },
-           py::call_guard<py::gil_scoped_release>())
-      .def("synchronize", [](Transfer& t) { translate_errors([&] { t.synchronize(); }); },
-           py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("device",  // a torch.device
-                             [](const Transfer& t) {
-                               return py::module_::import("torch").attr("device")(device_name(t.device()));
-                             })
+      .def(
+          "ready", [](Transfer& t) { return translate_errors([&] { return t.ready(); }); },
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "synchronize", [](Transfer& t) { translate_errors([&] { t.synchronize(); }); },
+          py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly(
+          "device",  // a torch.device
+          [](const Transfer& t) { return py::module_::import("torch").attr("device")(device_name(t.device())); })
       .def_property_readonly("nbytes", &Transfer::nbytes)
       .def_property_readonly("num_tensors", &Transfer::num_tensors);
   // start_*: the GIL is released once the arguments are read (see start).
-  m.def("start_prefetch",
-        [](py::object sources, py::object device, py::object dtype, std::int64_t pool, bool negative_views,
-           py::object source_names) {
-          return start(TransferKind::kPrefetch, sources, device, dtype, pool, negative_views, source_names);
-        },
-        py::arg("sources"), py::arg("device"), py::arg("dtype"), py::arg("pool"), py::arg("negative_views") = true,
-        py::arg("source_names") = py::none());
-  m.def("start_offload",
-        [](py::object sources, py::object dtype, std::int64_t pool, bool negative_views, py::object source_names) {
-          return start(TransferKind::kOffload, sources, py::none(), dtype, pool, negative_views, source_names);
-        },
-        py::arg("sources"), py::arg("dtype"), py::arg("pool"), py::arg("negative_views") = true,
-        py::arg("source_names") = py::none());
+  m.def(
+      "start_prefetch",
+      [](py::object sources, py::object device, py::object dtype, std::int64_t pool, bool negative_views,
+         py::object source_names) {
+        return start(TransferKind::kPrefetch, sources, device, dtype, pool, negative_views, source_names);
+      },
+      py::arg("sources"), py::arg("device"), py::arg("dtype"), py::arg("pool"), py::arg("negative_views") = true,
+      py::arg("source_names") = py::none());
+  m.def(
+      "start_offload",
+      [](py::object sources, py::object dtype, std::int64_t pool, bool negative_views, py::object source_names) {
+        return start(TransferKind::kOffload, sources, py::none(), dtype, pool, negative_views, source_names);
+      },
+      py::arg("sources"), py::arg("dtype"), py::arg("pool"), py::arg("negative_views") = true,
+      py::arg("source_names") = py::none());
   m.def("transfer_stats", [] {
     const TransferStats s = transfer_stats();
     py::dict d;
@@ -144,8 +147,10 @@ void bind_transfers(py::module_& m) {
   m.def("poll_transfer_releases", &poll_transfer_releases);
   m.def("transfer_drain", &drain_transfer_worker, "Waits for every queued host copy.",
         py::call_guard<py::gil_scoped_release>());
-  m.def("transfer_batched_copy", [](const std::string& mode) { return translate_errors([&] {
-          return set_batched_copy(mode); }); }, py::arg("mode") = "");
+  m.def(
+      "transfer_batched_copy",
+      [](const std::string& mode) { return translate_errors([&] { return set_batched_copy(mode); }); },
+      py::arg("mode") = "");
   m.def("trace_start", [] {
     try {
       tracing::start();

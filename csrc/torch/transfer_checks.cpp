@@ -19,15 +19,24 @@ using Layout = torch::headeronly::Layout;
 // "Sparse", as c10 prints a layout (the stable headers have no operator<<).
 const char* layout_name(Layout l) {
   switch (l) {
-    case Layout::Strided: return "Strided";
-    case Layout::Sparse: return "Sparse";
-    case Layout::SparseCsr: return "SparseCsr";
-    case Layout::SparseCsc: return "SparseCsc";
-    case Layout::SparseBsr: return "SparseBsr";
-    case Layout::SparseBsc: return "SparseBsc";
-    case Layout::Mkldnn: return "Mkldnn";
-    case Layout::Jagged: return "Jagged";
-    default: return "(unknown)";
+    case Layout::Strided:
+      return "Strided";
+    case Layout::Sparse:
+      return "Sparse";
+    case Layout::SparseCsr:
+      return "SparseCsr";
+    case Layout::SparseCsc:
+      return "SparseCsc";
+    case Layout::SparseBsr:
+      return "SparseBsr";
+    case Layout::SparseBsc:
+      return "SparseBsc";
+    case Layout::Mkldnn:
+      return "Mkldnn";
+    case Layout::Jagged:
+      return "Jagged";
+    default:
+      return "(unknown)";
   }
 }
 
@@ -84,8 +93,8 @@ ScalarType check_source(const TransferRequest& r, const char* api, std::size_t i
                    ") that hipferry cannot name through torch's stable ABI; expected a plain dtype");
   }
   if (prefetch) {
-    HF_CHECK_VALUE(t.is_cpu(), api, ": ", name(i), " is on ", device_of(t),
-                   "; expected host (CPU) tensors to move to ", device_name(r.device));
+    HF_CHECK_VALUE(t.is_cpu(), api, ": ", name(i), " is on ", device_of(t), "; expected host (CPU) tensors to move to ",
+                   device_name(r.device));
   } else {
     HF_CHECK_VALUE(t.is_cpu() || t.is_cuda(), api, ": ", name(i), " is on ", device_of(t),
                    "; expected tensors on a GPU (or the CPU)");
@@ -95,8 +104,8 @@ ScalarType check_source(const TransferRequest& r, const char* api, std::size_t i
                    device_name(where), "; expected every tensor on one device");
   }
   if (r.dtype && *r.dtype != *type) {
-    HF_CHECK_VALUE(is_float_convertible(*type) && is_float_convertible(*r.dtype), api, ": dtype ",
-                   dtype_name(*r.dtype), " cannot be produced from ", name(i), " of dtype ", dtype_name(*type),
+    HF_CHECK_VALUE(is_float_convertible(*type) && is_float_convertible(*r.dtype), api, ": dtype ", dtype_name(*r.dtype),
+                   " cannot be produced from ", name(i), " of dtype ", dtype_name(*type),
                    "; expected conversions among float32, float16 and bfloat16 (or dtype=None)");
   }
   return *type;
@@ -114,8 +123,8 @@ int check_device(const char* api, const Device& where) {
   HF_CHECK_VALUE(count > 0, api, ": device ", device_name(where),
                  " does not exist: hipferry sees no GPU here; expected device='cpu'");
   const int device = where.has_index() ? where.index() : current_torch_device();
-  HF_CHECK_VALUE(device >= 0 && device < count, api, ": device cuda:", device, " does not exist; hipferry sees ",
-                 count, " GPU(s)");
+  HF_CHECK_VALUE(device >= 0 && device < count, api, ": device cuda:", device, " does not exist; hipferry sees ", count,
+                 " GPU(s)");
   return device;
 }
 
@@ -134,6 +143,5 @@ CheckedTransfer check_transfer(const TransferRequest& r) {
   HF_CHECK(!c.pool->closed(), c.api, ": the pool is closed; expected an open PinnedPool");
   return c;
 }
-
 
 }  // namespace hipferry

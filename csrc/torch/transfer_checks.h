@@ -22,7 +22,6 @@ struct CheckedTransfer {
   bool gpu() const { return device >= 0; }
 };
 
-
 // Every argument checked, in this order (the messages are pinned by tests); nothing is
 // allocated or queued before all are. Throws ValueError (or RuntimeError: a closed pool).
 CheckedTransfer check_transfer(const TransferRequest& r);

@@ -11,13 +11,13 @@
 #include <utility>
 
 #include "csrc/core/errors.h"
+#include "csrc/engine/engine.h"
+#include "csrc/engine/transfer_paths.h"
 #include "csrc/torch/copy_cast_checks.h"
 #include "csrc/torch/current_stream.h"
 #include "csrc/torch/pinned_pool.h"
 #include "csrc/torch/stable.h"
 #include "hip/trace_session.h"
-#include "csrc/engine/engine.h"
-#include "csrc/engine/transfer_paths.h"
 
 namespace hipferry {
 namespace {
@@ -39,7 +39,7 @@ Transfer::~Transfer() {
   if (state_ != State::kPending) return;
   std::vector<Tensor> holdings = std::move(keepalive_);
   for (auto& t : results_) holdings.push_back(std::move(t));
-  if (generation_ != fork_generation()) {  // a parent's transfer in a forked child: nothing ran here
+  if (generation_ != fork_generation()) {          // a parent's transfer in a forked child: nothing ran here
     new std::vector<Tensor>(std::move(holdings));  // never touched again: no deleter runs in the child
     return;
   }

@@ -72,9 +72,9 @@ enum class TransferKind { kPrefetch, kOffload };
 struct TransferRequest {
   TransferKind kind = TransferKind::kPrefetch;
   std::vector<Tensor> sources;
-  Device device{DeviceType::CPU};    // prefetch: the destination; offload: ignored
-  std::optional<ScalarType> dtype;   // nullopt: keep each source's dtype
-  std::int64_t pool_id = 0;             // staging blocks and offload destinations
+  Device device{DeviceType::CPU};   // prefetch: the destination; offload: ignored
+  std::optional<ScalarType> dtype;  // nullopt: keep each source's dtype
+  std::int64_t pool_id = 0;         // staging blocks and offload destinations
   // Whether a source may carry torch's negative bit (torch._neg_view): the
   // stable ABI cannot read the bit, and resolving it costs a dispatcher call
   // per source, so a caller that knows no source has it says false.
@@ -124,7 +124,7 @@ class Transfer {
   // After the worker part: marks the transfer failed if the worker said so,
   // moving what it held into `dropped` (the caller lets go of it unlocked).
   void settle_locked(std::vector<Tensor>& dropped);
-  void sync_streams_quietly() const;  // after a failure, before letting go of anything
+  void sync_streams_quietly() const;                // after a failure, before letting go of anything
   void check_same_process(const char* what) const;  // throws in a forked child
   // start_transfer's last stage on a GPU: queues `items` on the copy stream of
   // `device` (prefetch: host->device, else device->host) and records the
@@ -135,17 +135,17 @@ class Transfer {
   std::uint64_t generation_ = 0;  // fork_generation() when started
   Completion completion_;
   std::shared_ptr<schedule::Outcome> outcome_;  // the worker part's error, if any
-  int copy_device_ = -1;                      // GPU of the copy, -1 for the host path
-  rt::StreamHandle copy_stream_ = nullptr;     // hipferry's stream of this direction
-  rt::StreamHandle staging_stream_ = nullptr;  // the worker's stream (prefetch)
-  rt::StreamHandle alloc_stream_ = nullptr;    // where device results were allocated
+  int copy_device_ = -1;                        // GPU of the copy, -1 for the host path
+  rt::StreamHandle copy_stream_ = nullptr;      // hipferry's stream of this direction
+  rt::StreamHandle staging_stream_ = nullptr;   // the worker's stream (prefetch)
+  rt::StreamHandle alloc_stream_ = nullptr;     // where device results were allocated
   Device device_{DeviceType::CPU};
   std::size_t nbytes_ = 0;
   std::size_t results_count_ = 0;
 
   std::mutex mutex_;  // guards the fields below
   State state_ = State::kPending;
-  std::string error_;                  // why it failed
+  std::string error_;  // why it failed
   std::vector<Tensor> results_;
   std::vector<Tensor> keepalive_;  // sources and scratch, until complete
 };
@@ -159,14 +159,14 @@ std::uint64_t fork_generation();
 
 struct TransferStats {
   std::uint64_t transfers = 0;
-  std::uint64_t bytes = 0;            // destination bytes written
-  std::uint64_t packed_batches = 0;   // gather/scatter launches and packed staging copies
+  std::uint64_t bytes = 0;           // destination bytes written
+  std::uint64_t packed_batches = 0;  // gather/scatter launches and packed staging copies
   std::uint64_t packed_tensors = 0;
   std::uint64_t runtime_batches = 0;  // of packed_batches: the runtime's batched copy
   std::uint64_t staged_chunks = 0;    // pageable chunks through pinned blocks
   std::uint64_t direct_copies = 0;    // one copy or copy_cast kernel per tensor
   std::uint64_t worker_tasks = 0;
-  std::size_t pending_releases = 0;   // holdings waiting for their completion
+  std::size_t pending_releases = 0;  // holdings waiting for their completion
 };
 TransferStats transfer_stats();
 

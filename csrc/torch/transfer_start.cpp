@@ -26,10 +26,10 @@ using engine::Engine;
 
 // The torch layer's engine context: torch's thread pool.
 engine::PathContext context_of(Engine& e, std::shared_ptr<pool::HostPool> pool) {
-  return e.context(std::move(pool), [](std::int64_t n, std::int64_t grain,
-                                       const std::function<void(std::int64_t, std::int64_t)>& body) {
-    torch::stable::parallel_for(0, n, grain, body);
-  });
+  return e.context(std::move(pool),
+                   [](std::int64_t n, std::int64_t grain, const std::function<void(std::int64_t, std::int64_t)>& body) {
+                     torch::stable::parallel_for(0, n, grain, body);
+                   });
 }
 
 // Grad mode off on this thread while sources are prepared: the engine's
@@ -144,9 +144,10 @@ Prepared make_results(const TransferRequest& r, const CheckedTransfer& c) {
     const ScalarType out_type = r.dtype.value_or(c.types[i]);
     // Host results come from the pool: cached blocks, so a copy does not pay
     // for faulting in fresh pages (which costs more than the copy itself).
-    Tensor dst = c.gpu() && c.prefetch ? torch::stable::empty(t.sizes(), out_type, std::nullopt, c.where)
-                                       : pool_empty(r.pool_id, shape_of(t), out_type,  // OutOfMemoryError: nothing queued
-                                                    t.is_cpu() ? -1 : t.device().index());
+    Tensor dst = c.gpu() && c.prefetch
+                     ? torch::stable::empty(t.sizes(), out_type, std::nullopt, c.where)
+                     : pool_empty(r.pool_id, shape_of(t), out_type,  // OutOfMemoryError: nothing queued
+                                  t.is_cpu() ? -1 : t.device().index());
     p.nbytes += nbytes_of(dst);
     p.sources.push_back(std::move(src));
     p.results.push_back(std::move(dst));

@@ -319,7 +319,8 @@ def _check_devices(w: Callable[[str], object], runtime_devices: int) -> List[str
                 r = _C.check_host_memory(0, 4 * MiB, flags, reg)
                 ok = r["round_trip_ok"]
                 w(f"  host memory     {label}: {'works' if ok else 'DATA MISMATCH'}"
-                  f"{'' if r['device_address_equals_host_address'] else ' (device address differs from host address)'}\n")
+                  + ("" if r["device_address_equals_host_address"]
+                     else " (device address differs from host address)") + "\n")
                 if not ok:
                     problems.append(f"{label} host memory round trip gave wrong data")
             except RuntimeError as e:

@@ -76,7 +76,8 @@ class PinnedPool:
         if cap is not None and -(-reserve_bytes // RESERVE_GRANULE) * RESERVE_GRANULE > cap:
             rounded = -(-reserve_bytes // RESERVE_GRANULE) * RESERVE_GRANULE
             raise ValueError(f"hipferry.PinnedPool: reserve ({reserve_bytes} bytes, {rounded} once rounded up to "
-                             f"the pool's {RESERVE_GRANULE >> 10} KiB segment granule) must not exceed capacity ({cap} bytes)")
+                             f"the pool's {RESERVE_GRANULE >> 10} KiB segment granule) must not exceed "
+                             f"capacity ({cap} bytes)")
         if provider not in PROVIDERS:
             raise ValueError(f"hipferry.PinnedPool: provider must be one of {PROVIDERS}, got {provider!r}")
         if isinstance(register_threads, bool) or not isinstance(register_threads, int) or \
@@ -92,7 +93,8 @@ class PinnedPool:
             raise ValueError(f"hipferry.PinnedPool: coherent must be None, True or False, got {coherent!r}")
         self._id: Optional[int] = None
         self._provider_kind = provider
-        self._id = _C.create_pinned_pool(provider, host_alloc_flags(portable, mapped, coherent, numa_user, write_combined),
+        self._id = _C.create_pinned_pool(provider,
+                                         host_alloc_flags(portable, mapped, coherent, numa_user, write_combined),
                                          register_threads, UNLIMITED if cap is None else cap,
                                          UNLIMITED if cached is None else cached, reserve_bytes,
                                          _capacity_origin, default_node, device_nodes,

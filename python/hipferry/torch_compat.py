@@ -29,7 +29,8 @@ def supported_range(build: ModuleType) -> str:
     return oldest if oldest == newest else f"{oldest} to {newest}"
 
 
-def mismatch(build: ModuleType, torch_version: str, torch_hip: Optional[str], torch_cuda: Optional[str]) -> Optional[str]:
+def mismatch(build: ModuleType, torch_version: str, torch_hip: Optional[str],
+             torch_cuda: Optional[str]) -> Optional[str]:
     """The sentence saying why this build cannot run under that torch, or None when it can.
 
     ``torch_hip`` and ``torch_cuda`` are torch.version.hip and torch.version.cuda.

@@ -18,9 +18,9 @@ namespace {
 // Host arrays of one parameter: float32 param, bfloat16 grad and param_out, 8-bit m, v, max_v.
 struct Host8 {
   std::size_t n, blocks;
-  std::vector<float> p, scales;               // scales: m, v, max_v, blocks each
+  std::vector<float> p, scales;  // scales: m, v, max_v, blocks each
   std::vector<std::uint16_t> g, out;
-  std::vector<std::uint8_t> codes;             // m, v, max_v, n each
+  std::vector<std::uint8_t> codes;  // m, v, max_v, n each
   explicit Host8(std::size_t size)
       : n(size), blocks((size + 255) / 256), p(size), scales(3 * blocks), g(size), out(size), codes(3 * size) {
     std::mt19937 rng(42);
@@ -65,10 +65,10 @@ TEST(AdamW8bitKernel, CpuBuildLaunchRunsTheLoop) {
   if (rt::build_info().platform != "cpu") GTEST_SKIP() << "GPU build";
   Host8 a(1000), b(1000);
   for (int t = 1; t <= 3; ++t) {
-    gpu::launch_adamw8bit(arrays(a, a.p.data(), a.g.data(), a.codes.data(), a.scales.data(), a.out.data()),
-                          scalars(t), 1000, nullptr, 0);
-    optim::adamw8bit_cpu(arrays(b, b.p.data(), b.g.data(), b.codes.data(), b.scales.data(), b.out.data()),
-                         scalars(t), 0, 1000);
+    gpu::launch_adamw8bit(arrays(a, a.p.data(), a.g.data(), a.codes.data(), a.scales.data(), a.out.data()), scalars(t),
+                          1000, nullptr, 0);
+    optim::adamw8bit_cpu(arrays(b, b.p.data(), b.g.data(), b.codes.data(), b.scales.data(), b.out.data()), scalars(t),
+                         0, 1000);
   }
   EXPECT_EQ(std::memcmp(a.p.data(), b.p.data(), 4000), 0);
   EXPECT_EQ(a.codes, b.codes);
@@ -127,9 +127,9 @@ TEST(AdamW8bitKernelGpu, BitIdenticalToTheCpuLoop) {
   EXPECT_EQ(std::memcmp(p2, cpu.p.data(), n * 4), 0);
   EXPECT_EQ(std::memcmp(scales2, cpu.scales.data(), cpu.scales.size() * 4), 0);
   EXPECT_EQ(std::vector<std::uint8_t>(codes2, codes2 + 3 * n), cpu.codes);
-  for (void* ptr : {static_cast<void*>(p), static_cast<void*>(scales), static_cast<void*>(g), static_cast<void*>(out),
-                    static_cast<void*>(codes), static_cast<void*>(p2), static_cast<void*>(scales2),
-                    static_cast<void*>(codes2)}) {
+  for (void* ptr :
+       {static_cast<void*>(p), static_cast<void*>(scales), static_cast<void*>(g), static_cast<void*>(out),
+        static_cast<void*>(codes), static_cast<void*>(p2), static_cast<void*>(scales2), static_cast<void*>(codes2)}) {
     rt::host_free(ptr);
   }
 }

@@ -30,8 +30,17 @@ struct State8 {
   std::vector<std::uint16_t> g16, out;
   Bytes qm, qv, qx;
   State8(std::size_t size, unsigned seed, bool fresh = false)
-      : n(size), p(size), g32(size), am(blocks()), av(blocks()), ax(blocks()), g16(size), out(size, 0),
-        qm(size), qv(size), qx(size) {
+      : n(size),
+        p(size),
+        g32(size),
+        am(blocks()),
+        av(blocks()),
+        ax(blocks()),
+        g16(size),
+        out(size, 0),
+        qm(size),
+        qv(size),
+        qx(size) {
     std::mt19937 rng(seed);
     std::normal_distribution<float> d(0.f, 1.f);
     Floats m(n), v(n), x(n);
@@ -115,8 +124,7 @@ TEST(AdamW8bitCpu, FusedStepEqualsDequantizeFloat32StepQuantize) {
       Floats m = composed.moment(0), v = composed.moment(1), x = composed.moment(2);
       AdamWArrays f;
       f.param = composed.p.data();
-      f.grad = grad_type == ElementType::kFloat32 ? static_cast<const void*>(composed.g32.data())
-                                                  : composed.g16.data();
+      f.grad = grad_type == ElementType::kFloat32 ? static_cast<const void*>(composed.g32.data()) : composed.g16.data();
       f.grad_type = grad_type;
       f.exp_avg = m.data();
       f.exp_avg_sq = v.data();

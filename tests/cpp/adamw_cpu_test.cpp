@@ -68,8 +68,8 @@ void expect_close_to_reference(const AdamWHyper& h) {
 double ulps(double err, double scale) {
   if (scale == 0) return err == 0 ? 0 : INFINITY;
   int e;
-  std::frexp(scale, &e);                  // scale = f * 2^e, f in [0.5, 1)
-  return err / std::ldexp(1.0, e - 24);   // float32's ulp at scale
+  std::frexp(scale, &e);                 // scale = f * 2^e, f in [0.5, 1)
+  return err / std::ldexp(1.0, e - 24);  // float32's ulp at scale
 }
 
 // One step from the SAME float32 state, against the double model evaluated
@@ -101,8 +101,8 @@ void expect_step_within_ulps(const AdamWHyper& h, int t) {
     const double mf = s.m[i], vf = s.v[i];
     const double second = h.amsgrad ? std::max<double>(before.vmax[i], vf) : vf;
     const double decayed = p0 * (1 - h.lr * h.weight_decay);
-    const double update = h.lr / (1 - std::pow(h.beta1, t)) * mf /
-                          (std::sqrt(second) / std::sqrt(1 - std::pow(h.beta2, t)) + h.eps);
+    const double update =
+        h.lr / (1 - std::pow(h.beta1, t)) * mf / (std::sqrt(second) / std::sqrt(1 - std::pow(h.beta2, t)) + h.eps);
     const double p = decayed - update;
     worst_m = std::max(worst_m, ulps(std::abs(s.m[i] - m), std::abs(h.beta1 * m0) + std::abs((1 - h.beta1) * g)));
     worst_v = std::max(worst_v, ulps(std::abs(s.v[i] - v), std::abs(h.beta2 * v0) + (1 - h.beta2) * g * g));

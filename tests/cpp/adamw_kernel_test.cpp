@@ -8,8 +8,8 @@
 #include <random>
 #include <vector>
 
-#include "hip/adamw_kernel.h"
 #include "csrc/core/convert.h"
+#include "hip/adamw_kernel.h"
 #include "tests/cpp/adamw_arrays.h"
 
 namespace hipferry {
@@ -46,10 +46,10 @@ TEST(AdamWKernel, CpuBuildLaunchRunsTheLoopInPlace) {
   if (rt::build_info().platform != "cpu") GTEST_SKIP() << "GPU build";
   HostState a(1000), b(1000);
   for (int t = 1; t <= 3; ++t) {
-    gpu::launch_adamw(a.arrays(a.p.data(), a.g.data(), a.m.data(), a.v.data(), a.vmax.data(), a.out.data()),
-                      scalars(t), 1000, nullptr, 0);
-    optim::adamw_cpu(b.arrays(b.p.data(), b.g.data(), b.m.data(), b.v.data(), b.vmax.data(), b.out.data()),
-                     scalars(t), 0, 1000);
+    gpu::launch_adamw(a.arrays(a.p.data(), a.g.data(), a.m.data(), a.v.data(), a.vmax.data(), a.out.data()), scalars(t),
+                      1000, nullptr, 0);
+    optim::adamw_cpu(b.arrays(b.p.data(), b.g.data(), b.m.data(), b.v.data(), b.vmax.data(), b.out.data()), scalars(t),
+                     0, 1000);
   }
   EXPECT_EQ(a.p, b.p);
   EXPECT_EQ(a.out, b.out);
@@ -86,9 +86,9 @@ TEST(AdamWKernelGpu, BitIdenticalToTheCpuLoop) {
     a.param_out = dev(out);
     a.out_type = ElementType::kBFloat16;
     gpu::launch_adamw(a, scalars(t), n, stream.handle(), 0);
-    optim::adamw_cpu(cpu.arrays(cpu.p.data(), cpu.g.data(), cpu.m.data(), cpu.v.data(), cpu.vmax.data(),
-                                cpu.out.data()),
-                     scalars(t), 0, n);
+    optim::adamw_cpu(
+        cpu.arrays(cpu.p.data(), cpu.g.data(), cpu.m.data(), cpu.v.data(), cpu.vmax.data(), cpu.out.data()), scalars(t),
+        0, n);
   }
   stream.synchronize();
   EXPECT_EQ(std::vector<float>(p, p + n), cpu.p);
@@ -109,11 +109,13 @@ TEST(AdamWKernelGpu, OutOfPlaceBitIdenticalToTheCpuLoopInPlace) {
   constexpr std::size_t n = 50021;
   HostState cpu(n), source(n);
   for (int t = 1; t <= 2; ++t) {  // the CPU runs steps 1 and 2 in place, the source step 1
-    optim::adamw_cpu(cpu.arrays(cpu.p.data(), cpu.g.data(), cpu.m.data(), cpu.v.data(), cpu.vmax.data(),
-                                cpu.out.data()), scalars(t), 0, n);
+    optim::adamw_cpu(
+        cpu.arrays(cpu.p.data(), cpu.g.data(), cpu.m.data(), cpu.v.data(), cpu.vmax.data(), cpu.out.data()), scalars(t),
+        0, n);
   }
-  optim::adamw_cpu(source.arrays(source.p.data(), source.g.data(), source.m.data(), source.v.data(),
-                                 source.vmax.data(), source.out.data()), scalars(1), 0, n);
+  optim::adamw_cpu(source.arrays(source.p.data(), source.g.data(), source.m.data(), source.v.data(), source.vmax.data(),
+                                 source.out.data()),
+                   scalars(1), 0, n);
   std::vector<float*> host;  // in: p m v vmax, then out: p m v vmax (mapped pinned)
   for (int i = 0; i < 8; ++i) {
     host.push_back(static_cast<float*>(rt::host_alloc(n * 4, rt::kHostPortable | rt::kHostMapped)));
@@ -185,8 +187,8 @@ TEST(AdamWKernelGpu, NaNsAndInfinitiesBitIdenticalToTheCpuLoop) {
   rt::Stream stream(0);
   gpu::launch_adamw(a, scalars(3), n, stream.handle(), 0);
   stream.synchronize();
-  optim::adamw_cpu(cpu.arrays(cpu.p.data(), cpu.g.data(), cpu.m.data(), cpu.v.data(), cpu.vmax.data(),
-                              cpu.out.data()), scalars(3), 0, n);
+  optim::adamw_cpu(cpu.arrays(cpu.p.data(), cpu.g.data(), cpu.m.data(), cpu.v.data(), cpu.vmax.data(), cpu.out.data()),
+                   scalars(3), 0, n);
   // inputs[] are the CPU's own arrays, updated in place: its results now.
   for (int i = 0; i < 4; ++i) EXPECT_EQ(0, std::memcmp(host[i], inputs[i], n * 4)) << "array " << i;
   EXPECT_EQ(0, std::memcmp(host[5], cpu.out.data(), n * 2)) << "param_out";

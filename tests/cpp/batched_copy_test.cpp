@@ -9,8 +9,8 @@
 #include <stdexcept>
 #include <vector>
 
-#include "hip/batched_copy_kernel.h"
 #include "csrc/core/copy_cast_cpu.h"
+#include "hip/batched_copy_kernel.h"
 #include "hip/runtime.h"
 
 namespace hipferry {
@@ -22,7 +22,7 @@ struct Case {
   std::vector<std::vector<unsigned char>> src;  // host source bytes per job
   std::vector<gpu::CopyJobSpec> jobs;           // src/dst filled in by the test
   std::vector<std::size_t> dst_bytes;
-  std::vector<std::size_t> src_offset;          // misalignment of the job's source
+  std::vector<std::size_t> src_offset;  // misalignment of the job's source
 };
 
 Case make_case(std::uint64_t seed) {

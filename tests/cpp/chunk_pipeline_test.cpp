@@ -25,7 +25,7 @@ struct Store {
   FileRef v{6, "/fake/v"};
   std::vector<std::size_t> size, offset;  // per chunk, the same in both files
   std::size_t max_chunk = 1;
-  Bytes m0, v0;                           // the files before the pass
+  Bytes m0, v0;  // the files before the pass
 
   Store(FakeIoBackend& fake, std::size_t count, std::mt19937_64& rng) {
     std::size_t at = 0;
@@ -74,12 +74,15 @@ struct Harness {
   std::vector<Bytes> storage;
   IoQueue queue;
   ChunkPipeline pipe;
-  std::vector<std::size_t> computed;   // compute's chunk, in call order
+  std::vector<std::size_t> computed;  // compute's chunk, in call order
   std::size_t throw_at = ~std::size_t{0};
   std::size_t submitted_at_throw = 0;
 
   Harness(FakeIoBackend& fake, Store& store, std::size_t window, std::size_t request_bytes)
-      : fake(fake), store(store), storage(window, Bytes(store.buffer_bytes())), queue(fake, request_bytes),
+      : fake(fake),
+        store(store),
+        storage(window, Bytes(store.buffer_bytes())),
+        queue(fake, request_bytes),
         pipe(queue, pointers(storage)) {}
 
   static std::vector<void*> pointers(std::vector<Bytes>& s) {
@@ -89,7 +92,8 @@ struct Harness {
   }
 
   void run(std::size_t count) {
-    pipe.run(count, [&](std::size_t c) { return plan(c); }, [&](std::size_t c, void* b) { compute(c, b); });
+    pipe.run(
+        count, [&](std::size_t c) { return plan(c); }, [&](std::size_t c, void* b) { compute(c, b); });
   }
 
   ChunkIo plan(std::size_t c) {
@@ -155,18 +159,19 @@ TEST(ChunkPipeline, ReadsAheadAsFarAsTheWindowAllows) {
     Store store(fake, count, rng);
     Harness h(fake, store, window, 1024);
     std::vector<std::size_t> ahead;  // per compute: the furthest chunk with a read submitted
-    h.pipe.run(count, [&](std::size_t c) { return h.plan(c); },
-               [&](std::size_t c, void* b) {
-                 std::size_t furthest = 0;
-                 for (const auto& rec : fake.records()) {
-                   if (rec.request.op != IoOp::kRead || rec.request.fd != store.m.fd) continue;
-                   for (std::size_t k = 0; k < count; ++k) {
-                     if (rec.request.offset == store.offset[k]) furthest = std::max(furthest, k);
-                   }
-                 }
-                 ahead.push_back(furthest);
-                 h.compute(c, b);
-               });
+    h.pipe.run(
+        count, [&](std::size_t c) { return h.plan(c); },
+        [&](std::size_t c, void* b) {
+          std::size_t furthest = 0;
+          for (const auto& rec : fake.records()) {
+            if (rec.request.op != IoOp::kRead || rec.request.fd != store.m.fd) continue;
+            for (std::size_t k = 0; k < count; ++k) {
+              if (rec.request.offset == store.offset[k]) furthest = std::max(furthest, k);
+            }
+          }
+          ahead.push_back(furthest);
+          h.compute(c, b);
+        });
     ASSERT_EQ(ahead.size(), count);
     for (std::size_t c = 0; c < count; ++c) EXPECT_EQ(ahead[c], std::min(count - 1, c + window - 1)) << c;
     EXPECT_EQ(h.pipe.written(), count);
@@ -199,8 +204,10 @@ TEST(ChunkPipeline, AnIoFailureMidwayLeavesExactlyTheWrittenChunks) {
     EXPECT_LE(h.pipe.written(), h.pipe.computed());
     for (std::size_t c = 0; c < count; ++c) {
       const int state = store.state(fake, c);
-      if (c < h.pipe.written()) EXPECT_EQ(state, 1) << "chunk " << c;
-      else if (c == h.pipe.written()) EXPECT_NE(state, 1) << "chunk " << c;
+      if (c < h.pipe.written())
+        EXPECT_EQ(state, 1) << "chunk " << c;
+      else if (c == h.pipe.written())
+        EXPECT_NE(state, 1) << "chunk " << c;
       if (c >= h.pipe.computed()) EXPECT_EQ(state, 0) << "chunk " << c;
     }
   });
@@ -233,8 +240,12 @@ TEST(ChunkPipeline, AComputeThatThrowsDrainsAndRethrows) {
     EXPECT_EQ(h.queue.pending(), 0u);
     // The queue is not dead: a read-only pass over the files runs.
     std::size_t seen = 0;
-    h.pipe.run(count, [&](std::size_t c) { return ChunkIo{store.plan(c).reads, {}}; },
-               [&](std::size_t, void*) { ++seen; });
+    h.pipe.run(
+        count,
+        [&](std::size_t c) {
+          return ChunkIo{store.plan(c).reads, {}};
+        },
+        [&](std::size_t, void*) { ++seen; });
     EXPECT_EQ(seen, count);
     EXPECT_EQ(h.pipe.written(), count);
   });
@@ -249,8 +260,12 @@ TEST(ChunkPipeline, AWriteOnlyPassFillsTheFiles) {
   std::vector<Bytes> storage(2, Bytes(100));
   IoQueue queue(fake, 16);
   ChunkPipeline pipe(queue, Harness::pointers(storage));
-  pipe.run(5, [&](std::size_t c) { return ChunkIo{{}, {{&out, c * 100, 0, 100}}}; },
-           [&](std::size_t c, void* b) { std::fill_n(static_cast<unsigned char*>(b), 100, c + 1); });
+  pipe.run(
+      5,
+      [&](std::size_t c) {
+        return ChunkIo{{}, {{&out, c * 100, 0, 100}}};
+      },
+      [&](std::size_t c, void* b) { std::fill_n(static_cast<unsigned char*>(b), 100, c + 1); });
   ASSERT_EQ(fake.files[out.fd].size(), 500u);
   for (std::size_t i = 0; i < 500; ++i) EXPECT_EQ(fake.files[out.fd][i], i / 100 + 1);
   EXPECT_EQ(pipe.written(), 5u);
@@ -267,13 +282,24 @@ TEST(ChunkPipeline, RejectsBadInputBeforeAnyIo) {
   queue.read(f, 0, b.data(), b.size(), 1);
   ChunkPipeline pipe(queue, {buffer.data()});
   int planned = 0;
-  EXPECT_THROW(pipe.run(1, [&](std::size_t) { ++planned; return ChunkIo{}; }, [](std::size_t, void*) {}),
+  EXPECT_THROW(pipe.run(
+                   1,
+                   [&](std::size_t) {
+                     ++planned;
+                     return ChunkIo{};
+                   },
+                   [](std::size_t, void*) {}),
                std::invalid_argument);
   EXPECT_EQ(planned, 0);
   EXPECT_TRUE(fake.records().empty());
   std::vector<std::uint64_t> done;
   queue.poll(true, &done);
-  EXPECT_THROW(pipe.run(1, [&](std::size_t) { return ChunkIo{{{nullptr, 0, 0, 1}}, {}}; }, [](std::size_t, void*) {}),
+  EXPECT_THROW(pipe.run(
+                   1,
+                   [&](std::size_t) {
+                     return ChunkIo{{{nullptr, 0, 0, 1}}, {}};
+                   },
+                   [](std::size_t, void*) {}),
                std::invalid_argument);
 }
 

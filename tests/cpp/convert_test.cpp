@@ -56,8 +56,7 @@ const bool kHardwareF16 = false;
 std::uint16_t reference_f32_to_f16(float x) {
   const std::uint32_t a = f32_as_bits(x) & 0x7fffffffu;
   if (a > 0x7f800000u) {  // NaN rule: quiet, same sign, leading payload bits
-    return static_cast<std::uint16_t>(((f32_as_bits(x) >> 16) & 0x8000u) | 0x7e00u |
-                                      ((a >> 13) & 0x3ffu));
+    return static_cast<std::uint16_t>(((f32_as_bits(x) >> 16) & 0x8000u) | 0x7e00u | ((a >> 13) & 0x3ffu));
   }
   if (kHardwareF16) return hardware_f32_to_f16(x);
   const _Float16 h = static_cast<_Float16>(x);
@@ -132,12 +131,10 @@ std::uint64_t over_all_f32_patterns(Check check) {
 }
 
 template <class T>
-std::uint64_t count_and_report(const char* what, std::uint32_t input, T got, T want,
-                               std::uint64_t& reported) {
+std::uint64_t count_and_report(const char* what, std::uint32_t input, T got, T want, std::uint64_t& reported) {
   if (got == want) return 0;
   if (reported++ < 5) {
-    ADD_FAILURE() << what << " input 0x" << std::hex << input << " got 0x" << +got << " want 0x"
-                  << +want;
+    ADD_FAILURE() << what << " input 0x" << std::hex << input << " got 0x" << +got << " want 0x" << +want;
   }
   return 1;
 }
@@ -212,13 +209,13 @@ TEST(Convert, NamedEdgeCases) {
   EXPECT_EQ(f32_to_bf16_rne(f32_from_bits(0x7f800001u)), 0x7fc0);  // sNaN is quieted
   EXPECT_EQ(f32_to_f16_rne(65504.0f), 0x7bff);                     // largest finite
   EXPECT_EQ(f32_to_f16_rne(65519.996f), 0x7bff);
-  EXPECT_EQ(f32_to_f16_rne(65520.0f), 0x7c00);                     // rounds to inf
-  EXPECT_EQ(f32_to_f16_rne(std::ldexp(1.0f, -24)), 0x0001);        // smallest subnormal
-  EXPECT_EQ(f32_to_f16_rne(std::ldexp(1.0f, -25)), 0x0000);        // tie to even zero
+  EXPECT_EQ(f32_to_f16_rne(65520.0f), 0x7c00);               // rounds to inf
+  EXPECT_EQ(f32_to_f16_rne(std::ldexp(1.0f, -24)), 0x0001);  // smallest subnormal
+  EXPECT_EQ(f32_to_f16_rne(std::ldexp(1.0f, -25)), 0x0000);  // tie to even zero
   EXPECT_EQ(f32_to_f16_rne(std::ldexp(1.5f, -25)), 0x0001);
-  EXPECT_EQ(f32_to_f16_rne(std::ldexp(3.0f, -25)), 0x0002);        // 1.5 ulp tie -> 2
-  EXPECT_EQ(f32_to_f16_rne(-std::ldexp(1.0f, -14)), 0x8400);       // smallest normal
-  EXPECT_EQ(f32_to_f16_rne(f32_from_bits(0xff812345u)), 0xfe09);   // NaN payload
+  EXPECT_EQ(f32_to_f16_rne(std::ldexp(3.0f, -25)), 0x0002);       // 1.5 ulp tie -> 2
+  EXPECT_EQ(f32_to_f16_rne(-std::ldexp(1.0f, -14)), 0x8400);      // smallest normal
+  EXPECT_EQ(f32_to_f16_rne(f32_from_bits(0xff812345u)), 0xfe09);  // NaN payload
   EXPECT_EQ(f32_as_bits(f16_to_f32(0x0001)), f32_as_bits(std::ldexp(1.0f, -24)));
   EXPECT_EQ(f32_as_bits(f16_to_f32(0xfc00)), 0xff800000u);
   EXPECT_EQ(f32_as_bits(f16_to_f32(0x7c01)), 0x7fc02000u);

@@ -53,9 +53,8 @@ TEST(CopyCastCpu, WritesExactlyTheRangeForEveryPairSizeAndAlignment) {
               typename From::storage x;
               std::memcpy(&x, src.data() + i * fs, fs);
               const auto want = convert_element<From, To>(x);
-              ASSERT_EQ(std::memcmp(&got, &want, ts), 0)
-                  << element_type_name(from) << "->" << element_type_name(to) << " n=" << n
-                  << " offset=" << offset << " i=" << i;
+              ASSERT_EQ(std::memcmp(&got, &want, ts), 0) << element_type_name(from) << "->" << element_type_name(to)
+                                                         << " n=" << n << " offset=" << offset << " i=" << i;
             }
           });
         }

@@ -115,8 +115,8 @@ TEST_P(RealBackend, ReadPastTheEndIsShortThenZero) {
   ASSERT_EQ(::pwrite(f.file.fd, data.get(), 8192, 0), 8192);
   auto b = backend(4);
   ASSERT_TRUE(b);
-  b->submit({IoOp::kRead, f.file.fd, 4096, data.get(), 16384, 1});   // 4096 of 16384 exist
-  b->submit({IoOp::kRead, f.file.fd, 8192, data.get(), 4096, 2});    // at the end
+  b->submit({IoOp::kRead, f.file.fd, 4096, data.get(), 16384, 1});    // 4096 of 16384 exist
+  b->submit({IoOp::kRead, f.file.fd, 8192, data.get(), 4096, 2});     // at the end
   b->submit({IoOp::kRead, f.file.fd, 1 << 20, data.get(), 4096, 3});  // beyond it
   std::map<std::uint64_t, std::int64_t> got;
   IoCompletion out[4];
@@ -182,10 +182,16 @@ class ScopedEnv {
  public:
   ScopedEnv(const char* name, const char* value) : name_(name) {
     if (const char* old = std::getenv(name)) old_ = old, had_ = true;
-    if (value) ::setenv(name, value, 1); else ::unsetenv(name);
+    if (value)
+      ::setenv(name, value, 1);
+    else
+      ::unsetenv(name);
   }
   ~ScopedEnv() {
-    if (had_) ::setenv(name_, old_.c_str(), 1); else ::unsetenv(name_);
+    if (had_)
+      ::setenv(name_, old_.c_str(), 1);
+    else
+      ::unsetenv(name_);
   }
 
  private:

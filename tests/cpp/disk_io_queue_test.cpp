@@ -67,8 +67,10 @@ struct Scenario {
   void enqueue(IoQueue& q, std::mt19937_64& rng, std::vector<std::uint64_t>* done) {
     for (std::size_t t = 0; t < transfers.size(); ++t) {
       Transfer& x = transfers[t];
-      if (x.write) q.write(dst, x.offset, x.buffer.data(), x.buffer.size(), t);
-      else q.read(src, x.offset, x.buffer.data(), x.buffer.size(), t);
+      if (x.write)
+        q.write(dst, x.offset, x.buffer.data(), x.buffer.size(), t);
+      else
+        q.read(src, x.offset, x.buffer.data(), x.buffer.size(), t);
       if (rng() % 3 == 0) q.poll(false, done);
     }
   }
@@ -163,8 +165,10 @@ TEST(IoQueue, TransfersSplitIntoRequestBytesPieces) {
       std::uint64_t at = x.offset;
       for (std::size_t i = 0; i < pieces.size(); ++i) {
         EXPECT_EQ(pieces[i].offset, at);
-        if (i + 1 < pieces.size()) EXPECT_EQ(pieces[i].bytes, request_bytes);
-        else EXPECT_LE(pieces[i].bytes, request_bytes);
+        if (i + 1 < pieces.size())
+          EXPECT_EQ(pieces[i].bytes, request_bytes);
+        else
+          EXPECT_LE(pieces[i].bytes, request_bytes);
         at += pieces[i].bytes;
       }
       EXPECT_EQ(at, x.offset + x.buffer.size());
@@ -299,7 +303,7 @@ TEST(IoQueue, CancelDropsQueuedWorkAndKeepsTheQueue) {
   std::vector<std::uint64_t> done;
   q.write(f, 0, small.data(), small.size(), 1);  // one piece
   q.write(f, 100, big.data(), 900, 2);           // nine pieces
-  q.poll(false, &done);  // submits 2, reaps both, submits 2 more
+  q.poll(false, &done);                          // submits 2, reaps both, submits 2 more
   ASSERT_EQ(done, std::vector<std::uint64_t>{1});
   ASSERT_EQ(fake.in_flight(), 2u);
   q.cancel(&done);

@@ -48,7 +48,10 @@ TEST(StateFile, DirectOnTheDiskAndAReservedSize) {
   EXPECT_GE(f.file.fd, 0);
   EXPECT_EQ(f.file.path, dir.file("a.bin"));
   // ext4, xfs and btrfs take O_DIRECT; anything else must say why not.
-  if (f.direct) EXPECT_EQ(f.note, ""); else EXPECT_NE(f.note, "");
+  if (f.direct)
+    EXPECT_EQ(f.note, "");
+  else
+    EXPECT_NE(f.note, "");
   EXPECT_EQ(::fcntl(f.file.fd, F_GETFL) & O_DIRECT, f.direct ? O_DIRECT : 0);
   reserve(f.file, 3 << 20);
   EXPECT_EQ(size_of(f.file), 3u << 20);

@@ -75,8 +75,12 @@ struct Store {
   std::size_t requests = 0, shorts = 0;   // of the last pass
 
   Store(StateFormat f, bool ams, ElementType t, const std::vector<std::int64_t>& sizes, std::uint64_t seed)
-      : format(f), amsgrad(ams), type(t), arrays(state_arrays(f, ams)),
-        hyper{/*lr=*/1e-2, 0.9, 0.999, 1e-8, /*weight_decay=*/1e-2, ams}, rng(seed) {
+      : format(f),
+        amsgrad(ams),
+        type(t),
+        arrays(state_arrays(f, ams)),
+        hyper{/*lr=*/1e-2, 0.9, 0.999, 1e-8, /*weight_decay=*/1e-2, ams},
+        rng(seed) {
     const std::size_t n = arrays.size();
     for (std::size_t a = 0; a < n; ++a) {
       const bool codes = f == StateFormat::kUint8 && a % 2 == 1;  // 1, 3, 5: exp_avg is signed
@@ -298,15 +302,15 @@ TEST_P(DiskStatePassSteps, ThreeStepsEqualTheInMemoryStepBitForBit) {
   EXPECT_GT(shorts, 0u) << "no short transfer was tried";
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Formats, DiskStatePassSteps,
-    ::testing::Combine(::testing::Values(StateFormat::kFloat32, StateFormat::kUint8), ::testing::Bool(),
-                       ::testing::Values(ElementType::kBFloat16, ElementType::kFloat32)),
-    [](const auto& i) {  // (no structured binding: its commas would split the macro's arguments)
-      const char* out = std::get<2>(i.param) == ElementType::kFloat32 ? "_f32out" : "_bf16out";
-      return std::string(std::get<0>(i.param) == StateFormat::kUint8 ? "uint8" : "float32") +
-             (std::get<1>(i.param) ? "_amsgrad" : "") + out;
-    });
+INSTANTIATE_TEST_SUITE_P(Formats, DiskStatePassSteps,
+                         ::testing::Combine(::testing::Values(StateFormat::kFloat32, StateFormat::kUint8),
+                                            ::testing::Bool(),
+                                            ::testing::Values(ElementType::kBFloat16, ElementType::kFloat32)),
+                         [](const auto& i) {  // (no structured binding: its commas would split the macro's arguments)
+                           const char* out = std::get<2>(i.param) == ElementType::kFloat32 ? "_f32out" : "_bf16out";
+                           return std::string(std::get<0>(i.param) == StateFormat::kUint8 ? "uint8" : "float32") +
+                                  (std::get<1>(i.param) ? "_amsgrad" : "") + out;
+                         });
 
 TEST(DiskStatePass, EioDuringAStepLeavesEveryParameterAsItWas) {
   for (std::uint64_t seed = 0; seed < 24; ++seed) {

@@ -33,8 +33,8 @@ bool any_overlap(const std::vector<schedule::Range>& xs, const std::vector<sched
 struct FakeDevice::EventState {
   EventState() { event_states.fetch_add(1); }
   ~EventState() { event_states.fetch_sub(1); }
-  bool done = false;   // its record has run
-  std::string error;   // the stream's error when it ran
+  bool done = false;  // its record has run
+  std::string error;  // the stream's error when it ran
 };
 
 struct FakeDevice::Op {
@@ -176,9 +176,11 @@ void FakeDevice::check_locked(const Op& op, const StreamState* at) {
       const bool war = any_overlap(op.body.writes, earlier.body.reads);
       const bool waw = any_overlap(op.body.writes, earlier.body.writes);
       if (raw || war || waw) {
-        hazards_.push_back(std::string(raw ? "read-after-write" : war ? "write-after-read" : "write-after-write") +
-                           ": '" + op.body.label.name + "' on " + at->name + " ran before '" +
-                           earlier.body.label.name + "' on " + s->name + " that was queued before it");
+        hazards_.push_back(std::string(raw   ? "read-after-write"
+                                       : war ? "write-after-read"
+                                             : "write-after-write") +
+                           ": '" + op.body.label.name + "' on " + at->name + " ran before '" + earlier.body.label.name +
+                           "' on " + s->name + " that was queued before it");
       }
     }
   }
@@ -199,9 +201,9 @@ bool FakeDevice::run_one_locked() {
     case Op::kWork: {
       check_locked(op, s);
       if (!s->error.empty()) break;  // sticky: work after a failure does not run
-      const bool fail = fail_.count(op.work) != 0 ||
-                        (options_.fail_probability > 0 &&
-                         std::uniform_real_distribution<double>(0, 1)(rng_) < options_.fail_probability);
+      const bool fail =
+          fail_.count(op.work) != 0 || (options_.fail_probability > 0 &&
+                                        std::uniform_real_distribution<double>(0, 1)(rng_) < options_.fail_probability);
       if (fail) {
         ++failures_;
         s->error = "fake failure of '" + op.body.label.name + "' on " + s->name;
@@ -225,13 +227,15 @@ bool FakeDevice::run_one_locked() {
 void FakeDevice::run_all() {
   std::unique_lock<std::mutex> lock(mutex_);
   if (options_.threaded) {
-    changed_.wait(lock, [&] { return std::all_of(streams_.begin(), streams_.end(), [](auto& s) { return s->ops.empty(); }); });
+    changed_.wait(
+        lock, [&] { return std::all_of(streams_.begin(), streams_.end(), [](auto& s) { return s->ops.empty(); }); });
     return;
   }
   while (run_one_locked()) {
   }
   for (const auto& s : streams_) {
-    if (!s->ops.empty()) throw std::logic_error("fake device: deadlock: " + s->name + " waits for an event never recorded");
+    if (!s->ops.empty())
+      throw std::logic_error("fake device: deadlock: " + s->name + " waits for an event never recorded");
   }
 }
 
@@ -244,7 +248,8 @@ void FakeDevice::wait_for(const std::shared_ptr<EventState>& e) {
     return;
   }
   while (!e->done) {
-    if (!run_one_locked()) throw std::logic_error("fake device: deadlock: the host waits for an event that cannot complete");
+    if (!run_one_locked())
+      throw std::logic_error("fake device: deadlock: the host waits for an event that cannot complete");
   }
 }
 

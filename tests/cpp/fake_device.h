@@ -37,7 +37,7 @@ class FakeDevice {
     std::uint64_t seed = 1;
     double fail_probability = 0;  // each piece of work fails with this probability
     bool threaded = false;
-    int max_pause_us = 20;        // threaded: random pause between pieces of work
+    int max_pause_us = 20;  // threaded: random pause between pieces of work
   };
   explicit FakeDevice(Options options);
   ~FakeDevice();
@@ -56,11 +56,11 @@ class FakeDevice {
   void host_writes(void* p, std::size_t bytes);
 
   std::vector<std::string> hazards() const;
-  std::size_t pending() const;          // queued operations not yet run
-  std::size_t unrun_copy_bytes() const; // bytes of queued copies not yet run
+  std::size_t pending() const;           // queued operations not yet run
+  std::size_t unrun_copy_bytes() const;  // bytes of queued copies not yet run
   std::uint64_t work_queued() const;
-  std::uint64_t failures() const;       // pieces of work that failed
-  static long live_events();            // event states alive in this process
+  std::uint64_t failures() const;  // pieces of work that failed
+  static long live_events();       // event states alive in this process
 
   // --- used by FakeStream / FakeEvent ---
   struct EventState;
@@ -78,17 +78,17 @@ class FakeDevice {
   void device_loop();
 
   Options options_;
-  mutable std::mutex mutex_;        // guards everything below
-  std::condition_variable changed_; // an operation ran, or was queued
+  mutable std::mutex mutex_;         // guards everything below
+  std::condition_variable changed_;  // an operation ran, or was queued
   std::mt19937_64 rng_;
   std::vector<std::unique_ptr<StreamState>> streams_;
   std::vector<std::string> hazards_;
-  std::set<std::uint64_t> fail_;    // work numbers that fail
-  std::uint64_t ops_ = 0;           // operations queued (their order number)
-  std::uint64_t work_ = 0;          // work queued
+  std::set<std::uint64_t> fail_;  // work numbers that fail
+  std::uint64_t ops_ = 0;         // operations queued (their order number)
+  std::uint64_t work_ = 0;        // work queued
   std::uint64_t failures_ = 0;
   bool stopping_ = false;
-  std::thread thread_;              // threaded mode only; last
+  std::thread thread_;  // threaded mode only; last
 };
 
 }  // namespace hipferry::fake

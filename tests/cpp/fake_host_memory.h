@@ -42,7 +42,7 @@ class FakeMemory : public std::enable_shared_from_this<FakeMemory> {
   struct Segment {
     std::uintptr_t host = 0;
     std::size_t bytes = 0;
-    std::uintptr_t device = 0;  // 0 when unmapped
+    std::uintptr_t device = 0;    // 0 when unmapped
     int numa_node = kNoNumaNode;  // the node the pool asked for (a fake topology: nothing is bound)
   };
 
@@ -78,11 +78,21 @@ class FakeMemory : public std::enable_shared_from_this<FakeMemory> {
     release_hook_ = std::move(hook);
   }
 
-  std::uint64_t allocs() const { return locked([&] { return allocs_; }); }
-  std::uint64_t releases() const { return locked([&] { return releases_; }); }
-  std::size_t live_segments() const { return locked([&] { return live_.size(); }); }
-  std::size_t live_bytes() const { return locked([&] { return live_bytes_; }); }
-  std::vector<std::string> violations() const { return locked([&] { return violations_; }); }
+  std::uint64_t allocs() const {
+    return locked([&] { return allocs_; });
+  }
+  std::uint64_t releases() const {
+    return locked([&] { return releases_; });
+  }
+  std::size_t live_segments() const {
+    return locked([&] { return live_.size(); });
+  }
+  std::size_t live_bytes() const {
+    return locked([&] { return live_bytes_; });
+  }
+  std::vector<std::string> violations() const {
+    return locked([&] { return violations_; });
+  }
 
   // Host addresses of the live segments, ascending.
   std::vector<std::uintptr_t> segment_hosts() const {
@@ -117,7 +127,6 @@ class FakeMemory : public std::enable_shared_from_this<FakeMemory> {
  private:
   friend class FakeProvider;
   explicit FakeMemory(bool mapped) : mapped_(mapped) {}
-
 
   HostSegment allocate(std::size_t bytes, int numa_node) {
     if (auto hook = locked([&] { return allocate_hook_; })) hook(bytes);
@@ -282,10 +291,18 @@ class FakeStreams : public std::enable_shared_from_this<FakeStreams> {
     call_hook_ = std::move(hook);
   }
 
-  std::uint64_t records() const { return locked([&] { return records_; }); }
-  std::uint64_t queries() const { return locked([&] { return queries_; }); }
-  std::uint64_t synchronizes() const { return locked([&] { return synchronizes_; }); }
-  std::uint64_t live_events() const { return locked([&] { return live_events_; }); }
+  std::uint64_t records() const {
+    return locked([&] { return records_; });
+  }
+  std::uint64_t queries() const {
+    return locked([&] { return queries_; });
+  }
+  std::uint64_t synchronizes() const {
+    return locked([&] { return synchronizes_; });
+  }
+  std::uint64_t live_events() const {
+    return locked([&] { return live_events_; });
+  }
 
  private:
   friend class FakeEventSource;

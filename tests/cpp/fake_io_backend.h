@@ -42,7 +42,7 @@ struct RequestRecord {
   IoRequest request;
   std::size_t write_index = 0;  // among writes, when a write
   bool completed = false;
-  std::int64_t result = 0;      // once completed
+  std::int64_t result = 0;  // once completed
 };
 
 class FakeIoBackend final : public IoBackend {
@@ -153,7 +153,7 @@ class FakeIoBackend final : public IoBackend {
   std::size_t writes_ = 0;
   std::size_t max_in_flight_ = 0;
   std::size_t shorts_ = 0;
-  bool failure_returned_ = false;       // a failed completion was handed to the caller
+  bool failure_returned_ = false;  // a failed completion was handed to the caller
   std::size_t submits_after_failure_ = 0;
 };
 

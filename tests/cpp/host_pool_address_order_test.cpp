@@ -124,8 +124,8 @@ TEST(HostPoolAddressOrder, ARepeatedWorkloadSettlesAfterItsSecondRound) {
       for (const Order& o : orders()) {
         auto pool = make_pool(o);
         const auto seg = segments_per_round(*pool, sizes, period, kRounds);
-        const std::string what = "workload " + std::to_string(workload) + ", period " + std::to_string(period) +
-                                 ", " + o.name() + ": segments after each round " + describe(seg);
+        const std::string what = "workload " + std::to_string(workload) + ", period " + std::to_string(period) + ", " +
+                                 o.name() + ": segments after each round " + describe(seg);
         if (o.order == AddressOrder::kAscending) {
           ascending_final = seg.back();
           EXPECT_EQ(seg.front(), seg.back()) << what << " (ascending: each round replays the first)";

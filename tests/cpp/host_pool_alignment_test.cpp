@@ -26,11 +26,11 @@ namespace {
 
 using testing::AddressOnlyProvider;
 using testing::AddressOrder;
+using testing::bad_input_error;
+using testing::expect_same_holdings;
 using testing::Fixture;
 using testing::KiB;
 using testing::MiB;
-using testing::bad_input_error;
-using testing::expect_same_holdings;
 using testing::small_options;
 
 std::uintptr_t addr(const void* p) { return reinterpret_cast<std::uintptr_t>(p); }
@@ -216,9 +216,9 @@ TEST(HostPoolAlignment, BadAlignmentIsRejectedBeforeAnythingChanges) {
   f.pool->deallocate(f.pool->allocate(200).host);
   const PoolStats before = f.stats();
   const std::uint64_t segments_made = f.mem->allocs();
-  for (std::size_t alignment : {std::size_t{0}, std::size_t{1}, std::size_t{64}, std::size_t{128}, std::size_t{255},
-                                std::size_t{512}, std::size_t{2048}, std::size_t{4097}, std::size_t{8192},
-                                std::size_t{1} << 21, SIZE_MAX}) {
+  for (std::size_t alignment :
+       {std::size_t{0}, std::size_t{1}, std::size_t{64}, std::size_t{128}, std::size_t{255}, std::size_t{512},
+        std::size_t{2048}, std::size_t{4097}, std::size_t{8192}, std::size_t{1} << 21, SIZE_MAX}) {
     SCOPED_TRACE("alignment " + std::to_string(alignment));
     const std::string m = bad_input_error([&] { f.pool->allocate(100, -1, alignment); }, "a bad alignment");
     if (!m.empty()) {
@@ -266,8 +266,7 @@ TEST(HostPoolAlignment, ASegmentOffAPageIsGivenBackAndReported) {
     } catch (const PoolCapacityError& e) {
       ADD_FAILURE() << "capacity held back by the failed attempt: " << e.what();
     } catch (const PoolError& e) {
-      EXPECT_NE(std::string(e.what()).find("off-page provider handed out a segment at"), std::string::npos)
-          << e.what();
+      EXPECT_NE(std::string(e.what()).find("off-page provider handed out a segment at"), std::string::npos) << e.what();
       EXPECT_NE(std::string(e.what()).find("expected segments aligned to 4096 bytes"), std::string::npos);
     }
     EXPECT_EQ(p.allocs, attempt);

@@ -12,8 +12,8 @@
 #include <thread>
 #include <vector>
 
-#include "tests/cpp/fake_host_memory.h"
 #include "csrc/core/host_pool/host_pool.h"
+#include "tests/cpp/fake_host_memory.h"
 #include "tests/cpp/host_pool_fixture.h"
 
 namespace hipferry::pool {
@@ -76,7 +76,9 @@ void run_threads(PoolOptions options, int workers, int ops_per_worker, std::uint
       const StreamUse s = FakeStreams::stream(static_cast<int>(rng() % kStreams));
       f.streams->advance(s, 1 + rng() % 4);
       switch (rng() % 8) {
-        case 0: f.pool->trim(); break;
+        case 0:
+          f.pool->trim();
+          break;
         case 1:
           try {
             f.pool->check_invariants();
@@ -84,7 +86,8 @@ void run_threads(PoolOptions options, int workers, int ops_per_worker, std::uint
             fail(e.what());
           }
           break;
-        default: f.pool->process_events();
+        default:
+          f.pool->process_events();
       }
       if (f.pool->stats().reserved_bytes > options.capacity) fail("reserved more than the capacity");
       std::this_thread::yield();

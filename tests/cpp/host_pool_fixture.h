@@ -7,8 +7,8 @@
 #include <memory>
 #include <string>
 
-#include "tests/cpp/fake_host_memory.h"
 #include "csrc/core/host_pool/host_pool.h"
+#include "tests/cpp/fake_host_memory.h"
 
 namespace hipferry::pool::testing {
 

@@ -28,8 +28,8 @@ constexpr std::size_t KiB = std::size_t{1} << 10;
 constexpr std::size_t MiB = std::size_t{1} << 20;
 
 std::unique_ptr<HostPool> make_pool(PoolOptions o = {}) {
-  return std::make_unique<HostPool>(std::make_unique<AddressOnlyProvider>(),
-                                    std::make_unique<CompletedEventSource>(), o);
+  return std::make_unique<HostPool>(std::make_unique<AddressOnlyProvider>(), std::make_unique<CompletedEventSource>(),
+                                    o);
 }
 
 // --- workloads: sizes of the tensors a job holds at once ---------------------

@@ -8,16 +8,16 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
 #include <cstdint>
+#include <cstdio>
 #include <map>
 #include <random>
 #include <string>
 #include <vector>
 
-#include "tests/cpp/fake_host_memory.h"
 #include "csrc/core/host_pool/host_pool.h"
 #include "csrc/core/host_pool/size_classes.h"
+#include "tests/cpp/fake_host_memory.h"
 
 namespace hipferry::pool {
 namespace {
@@ -35,7 +35,7 @@ struct Variant {
   const char* name;
   std::size_t max_cached_bytes;
   std::size_t reserve_bytes;
-  bool numa = false;  // requests name devices 0 and 1 (nodes 0, 1) or none (node 2)
+  bool numa = false;          // requests name devices 0 and 1 (nodes 0, 1) or none (node 2)
   bool page_aligned = false;  // a third of the requests ask for kPageAlignment
 };
 
@@ -266,8 +266,7 @@ void run_sequence(std::uint64_t seed, const Variant& variant, int ops) {
   std::printf("[          ] %s: %llu allocations, %llu capacity errors, %llu event syncs, %llu system allocs\n",
               variant.name, static_cast<unsigned long long>(allocations),
               static_cast<unsigned long long>(capacity_errors),
-              static_cast<unsigned long long>(streams->synchronizes()),
-              static_cast<unsigned long long>(mem->allocs()));
+              static_cast<unsigned long long>(streams->synchronizes()), static_cast<unsigned long long>(mem->allocs()));
 
   while (!live.empty()) ASSERT_NO_FATAL_FAILURE(free_block(live.find(order.back())));
   streams->complete_all();

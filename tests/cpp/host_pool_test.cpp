@@ -18,10 +18,10 @@
 #include <thread>
 #include <vector>
 
-#include "tests/cpp/fake_host_memory.h"
-#include "tests/cpp/host_pool_fixture.h"
 #include "csrc/core/host_pool/host_pool.h"
 #include "csrc/core/host_pool/size_classes.h"
+#include "tests/cpp/fake_host_memory.h"
+#include "tests/cpp/host_pool_fixture.h"
 
 namespace hipferry::pool {
 namespace {
@@ -959,7 +959,7 @@ TEST(HostPool, NoLockIsHeldAcrossProviderAndEventCalls) {
   f.mem->on_release([&](const FakeMemory::Segment&) { probe("provider release"); });
   f.streams->on_call([&](const char* what) { probe(what); });
 
-  const auto a = f.pool->allocate(512 * KiB);  // provider allocate
+  const auto a = f.pool->allocate(512 * KiB);   // provider allocate
   f.free_in_use(a.host, kS0);                   // record
   EXPECT_EQ(f.pool->process_events(), 0u);      // query
   f.streams->complete_all_after_queries(1000);  // see OverCapacityAllocateWaitsForParkedBlocks

@@ -1,13 +1,13 @@
 // NUMA topology from fake sysfs trees (this machine has one node).
 #include <gtest/gtest.h>
 
+#include <unistd.h>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <stdexcept>
-#include <system_error>
 #include <string>
-#include <unistd.h>
+#include <system_error>
 
 #include "csrc/core/host_pool/numa_binding.h"
 #include "csrc/core/host_pool/numa_topology.h"

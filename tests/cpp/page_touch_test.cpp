@@ -26,7 +26,8 @@ TEST(PageTouch, EveryPieceRunsOnceWhateverThreadsCanBeMade) {
     SCOPED_TRACE(allowed);
     std::atomic<int> made{0};
     std::vector<std::atomic<int>> runs(16);
-    run_pieces(runs.size(), [&](std::size_t i) { runs[i].fetch_add(1); }, refusing_after(allowed, made));
+    run_pieces(
+        runs.size(), [&](std::size_t i) { runs[i].fetch_add(1); }, refusing_after(allowed, made));
     for (std::size_t i = 0; i < runs.size(); ++i) EXPECT_EQ(runs[i].load(), 1) << "piece " << i;
   }
 }

@@ -47,9 +47,9 @@ __global__ void add_one(int* p) { p[threadIdx.x] += 1; }
   (void)hipEventDestroy(e);
   (void)hipStreamDestroy(s);
   void* p = nullptr;
-  (void)hipHostMalloc(&p, 16, hipHostMallocDefault | hipHostMallocPortable | hipHostMallocMapped |
-                                  hipHostMallocWriteCombined | hipHostMallocNumaUser |
-                                  hipHostMallocCoherent | hipHostMallocNonCoherent);
+  (void)hipHostMalloc(&p, 16,
+                      hipHostMallocDefault | hipHostMallocPortable | hipHostMallocMapped | hipHostMallocWriteCombined |
+                          hipHostMallocNumaUser | hipHostMallocCoherent | hipHostMallocNonCoherent);
   void* dp = nullptr;
   (void)hipHostGetDevicePointer(&dp, p, 0);
   (void)hipHostFree(p);
@@ -68,8 +68,7 @@ __global__ void add_one(int* p) { p[threadIdx.x] += 1; }
 }
 
 TEST(Platform, NameIsKnown) {
-  EXPECT_TRUE(std::strcmp(HIPFERRY_PLATFORM_NAME, "rocm") == 0 ||
-              std::strcmp(HIPFERRY_PLATFORM_NAME, "cuda") == 0);
+  EXPECT_TRUE(std::strcmp(HIPFERRY_PLATFORM_NAME, "rocm") == 0 || std::strcmp(HIPFERRY_PLATFORM_NAME, "cuda") == 0);
 }
 
 TEST(Platform, DeviceCountReportsNoDeviceOrRunsAKernel) {

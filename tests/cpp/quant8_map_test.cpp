@@ -54,7 +54,7 @@ TEST(Quant8Map, ThresholdsSplitNeighboursAtTheMidpointWithTiesDown) {
     for (int i = 0; i + 1 < kCodes; ++i) {
       const long double lo = m.code[i], hi = m.code[i + 1], t = m.threshold[i];
       const long double below = std::nextafter(m.threshold[i], -INFINITY);
-      EXPECT_LT(hi - t, t - lo) << i;           // t: strictly nearer to hi
+      EXPECT_LT(hi - t, t - lo) << i;          // t: strictly nearer to hi
       EXPECT_LE(below - lo, hi - below) << i;  // the float below: nearer to lo, or a tie
     }
     EXPECT_TRUE(std::isnan(m.threshold[kCodes - 1]));

@@ -39,8 +39,9 @@ struct Buffer {
 
 // Queues `copies` copies out of fresh buffers on random streams, hands each
 // buffer to `list` with `done_of(event)`, polls at random; returns the hazards.
-std::vector<std::string> run(std::uint64_t seed, const std::function<ReleaseList::Done(std::shared_ptr<Event>)>& done_of,
-                             int copies, bool threaded) {
+std::vector<std::string> run(std::uint64_t seed,
+                             const std::function<ReleaseList::Done(std::shared_ptr<Event>)>& done_of, int copies,
+                             bool threaded) {
   // Declared before the device: they outlive any copy it runs.
   std::vector<std::vector<unsigned char>> sinks(copies, std::vector<unsigned char>(64));  // one per copy
   std::vector<std::vector<unsigned char>> arena(copies, std::vector<unsigned char>(64, 7));
@@ -99,10 +100,12 @@ TEST(ReleaseList, KeepsAHoldingWhileTheRuntimeCannotSay) {
   auto holding = std::make_shared<int>(1);
   std::weak_ptr<int> watch = holding;
   bool runtime_up = false;
-  list.release_after([&] {
-    if (!runtime_up) throw std::runtime_error("device lost");
-    return true;
-  }, std::move(holding));
+  list.release_after(
+      [&] {
+        if (!runtime_up) throw std::runtime_error("device lost");
+        return true;
+      },
+      std::move(holding));
   EXPECT_EQ(list.pending(), 1u);
   EXPECT_EQ(list.poll(), 0u);
   EXPECT_FALSE(watch.expired()) << "dropped although done() could not answer";

@@ -65,10 +65,14 @@ enum class RingKind { kCorrect, kNoAcquireWait, kNoPassWait, kReleasedAtFill };
 
 std::unique_ptr<SlotRing> make_ring(RingKind kind, std::size_t slots) {
   switch (kind) {
-    case RingKind::kNoAcquireWait: return std::make_unique<RingWithoutAcquireWait>(slots);
-    case RingKind::kNoPassWait: return std::make_unique<RingWithoutPassWait>(slots);
-    case RingKind::kReleasedAtFill: return std::make_unique<RingReleasedAtFill>(slots);
-    default: return std::make_unique<SlotRing>(slots);
+    case RingKind::kNoAcquireWait:
+      return std::make_unique<RingWithoutAcquireWait>(slots);
+    case RingKind::kNoPassWait:
+      return std::make_unique<RingWithoutPassWait>(slots);
+    case RingKind::kReleasedAtFill:
+      return std::make_unique<RingReleasedAtFill>(slots);
+    default:
+      return std::make_unique<SlotRing>(slots);
   }
 }
 
@@ -96,7 +100,8 @@ PipelineResult run_pipeline(std::uint64_t seed, RingKind kind, bool threaded = f
   Stream& fill = *streams[0];
   Stream& use = *streams[pick(0, 2) == 0 ? 0 : 1];  // sometimes the same stream as fill
   Stream& drain = *streams[pick(0, 1) == 0 ? 2 : 0];
-  std::vector<std::uint8_t> ring_memory(static_cast<std::size_t>(slots) * bytes), in(chunks * bytes), out(chunks * bytes, 0);
+  std::vector<std::uint8_t> ring_memory(static_cast<std::size_t>(slots) * bytes), in(chunks * bytes),
+      out(chunks * bytes, 0);
   for (int c = 0; c < chunks; ++c) {
     for (std::size_t i = 0; i < bytes; ++i) in[c * bytes + i] = pattern(c, i);
   }
@@ -224,9 +229,7 @@ TEST(SlotRingBroken, RefillWithoutWaitingForTheReleaseIsCaught) {
   expect_caught(RingKind::kNoAcquireWait, "no wait in acquire");
 }
 TEST(SlotRingBroken, ConsumerNotWaitingForTheCopyIsCaught) { expect_caught(RingKind::kNoPassWait, "no wait in pass"); }
-TEST(SlotRingBroken, SlotReleasedWhenFilledIsCaught) {
-  expect_caught(RingKind::kReleasedAtFill, "released at fill");
-}
+TEST(SlotRingBroken, SlotReleasedWhenFilledIsCaught) { expect_caught(RingKind::kReleasedAtFill, "released at fill"); }
 
 // --- in-flight window --------------------------------------------------------
 struct WindowResult {

@@ -67,9 +67,9 @@ TEST(TransferPlan, SmallItemsShareOneBatchLargeOnesAreChunked) {
   PlanOptions o;
   const TransferPlan plan = plan_transfer(items, o);
   ASSERT_EQ(plan.batches.size(), 1u);
-  ASSERT_EQ(plan.batches[0].slots.size(), 3u);  // items 0, 1 and 4; item 3 is empty
+  ASSERT_EQ(plan.batches[0].slots.size(), 3u);                // items 0, 1 and 4; item 3 is empty
   EXPECT_EQ(plan.batches[0].slots[1].staging_offset, 4096u);  // 4000 bytes, then aligned
-  EXPECT_EQ(plan.chunks.size(), 9u);  // 64 MiB + 20 bytes in 8 MiB chunks
+  EXPECT_EQ(plan.chunks.size(), 9u);                          // 64 MiB + 20 bytes in 8 MiB chunks
   EXPECT_EQ(plan.chunks.back().elements, 5u);
   EXPECT_EQ(check_plan(items, o, plan), 3u);
 }

@@ -7,9 +7,12 @@ namespace hipferry::cpu {
 
 const char* isa_name(Isa isa) {
   switch (isa) {
-    case Isa::kAvx512: return "avx512";
-    case Isa::kAvx2: return "avx2";
-    default: return "baseline";
+    case Isa::kAvx512:
+      return "avx512";
+    case Isa::kAvx2:
+      return "avx2";
+    default:
+      return "baseline";
   }
 }
 
@@ -20,8 +23,8 @@ Isa best_isa() {
   // checks include the OS's support for the registers (XCR0).
   static const Isa best = [] {
     if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return Isa::kBaseline;
-    const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                        __builtin_cpu_supports("avx512vl");
+    const bool avx512 =
+        __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
     return avx512 ? Isa::kAvx512 : Isa::kAvx2;
   }();
   return best;

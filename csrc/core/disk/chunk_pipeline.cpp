@@ -19,8 +19,14 @@ class Pass {
   Pass(IoQueue& queue, const std::vector<void*>& buffers, std::size_t count,
        const std::function<ChunkIo(std::size_t)>& plan, const std::function<void(std::size_t, void*)>& compute,
        std::size_t& computed, std::size_t& written)
-      : queue_(queue), buffers_(buffers), slots_(buffers.size()), count_(count), plan_(plan),
-        compute_(compute), computed_(computed), written_(written) {}
+      : queue_(queue),
+        buffers_(buffers),
+        slots_(buffers.size()),
+        count_(count),
+        plan_(plan),
+        compute_(compute),
+        computed_(computed),
+        written_(written) {}
 
   void run();
   void abandon();
@@ -47,9 +53,9 @@ class Pass {
   std::size_t count_;
   const std::function<ChunkIo(std::size_t)>& plan_;
   const std::function<void(std::size_t, void*)>& compute_;
-  std::size_t& computed_;        // chunks whose compute returned
-  std::size_t& written_;         // chunks whose writes all finished (a prefix)
-  std::size_t started_ = 0;      // chunks planned and their reads queued
+  std::size_t& computed_;            // chunks whose compute returned
+  std::size_t& written_;             // chunks whose writes all finished (a prefix)
+  std::size_t started_ = 0;          // chunks planned and their reads queued
   std::vector<std::uint64_t> done_;  // tokens the queue reported, not yet taken
 };
 

@@ -25,8 +25,8 @@ std::unique_ptr<IoBackend> make_backend(const std::string& wanted, std::size_t d
     const char* env = std::getenv("HIPFERRY_IO_BACKEND");
     if (env != nullptr && *env != '\0') {
       if (!is_known(env)) {
-        throw std::invalid_argument(std::string("HIPFERRY_IO_BACKEND must be auto, io_uring or threads, got '") +
-                                    env + "'");
+        throw std::invalid_argument(std::string("HIPFERRY_IO_BACKEND must be auto, io_uring or threads, got '") + env +
+                                    "'");
       }
       choice = env;
       why = std::string(" (HIPFERRY_IO_BACKEND=") + env + ")";

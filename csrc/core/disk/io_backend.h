@@ -28,7 +28,7 @@ struct IoRequest {
   std::uint64_t offset = 0;
   void* buffer = nullptr;  // page aligned when the file was opened with O_DIRECT
   std::size_t bytes = 0;
-  std::uint64_t tag = 0;   // handed back in the completion
+  std::uint64_t tag = 0;  // handed back in the completion
 };
 
 struct IoCompletion {

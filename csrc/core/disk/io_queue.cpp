@@ -43,8 +43,7 @@ IoQueue::~IoQueue() {
   }
 }
 
-void IoQueue::read(const FileRef& file, std::uint64_t offset, void* buffer, std::size_t bytes,
-                   std::uint64_t token) {
+void IoQueue::read(const FileRef& file, std::uint64_t offset, void* buffer, std::size_t bytes, std::uint64_t token) {
   enqueue(IoOp::kRead, file, offset, buffer, bytes, token);
 }
 
@@ -58,8 +57,8 @@ void IoQueue::enqueue(IoOp op, const FileRef& file, std::uint64_t offset, void* 
                       std::uint64_t token) {
   if (failed_) throw_failure();
   const std::string what = std::string("IoQueue::") + op_name(op) + " of " + file.path + ": ";
-  if (file.fd < 0) throw std::invalid_argument(what + "file.fd must be an open descriptor, got " +
-                                               std::to_string(file.fd));
+  if (file.fd < 0)
+    throw std::invalid_argument(what + "file.fd must be an open descriptor, got " + std::to_string(file.fd));
   if (buffer == nullptr && bytes > 0) throw std::invalid_argument(what + "buffer is null");
   if (bytes > std::numeric_limits<std::uint64_t>::max() - offset) {
     throw std::invalid_argument(what + "offset + bytes overflows");
@@ -194,8 +193,10 @@ void IoQueue::complete(const IoCompletion& c, std::vector<std::uint64_t>* done) 
   if (moved < asked) ++counters_.short_transfers;
   if (moved == 0) {
     // A read at the end of the file; a write that moves nothing would loop.
-    if (t.op == IoOp::kRead) fail(t, offset, asked, 0, "the file ends early (truncated?)");
-    else fail(t, offset, asked, EIO, "short write (no bytes written)");
+    if (t.op == IoOp::kRead)
+      fail(t, offset, asked, 0, "the file ends early (truncated?)");
+    else
+      fail(t, offset, asked, EIO, "short write (no bytes written)");
     return;
   }
   (t.op == IoOp::kRead ? counters_.bytes_read : counters_.bytes_written) += moved;
@@ -207,8 +208,7 @@ void IoQueue::complete(const IoCompletion& c, std::vector<std::uint64_t>* done) 
   }
 }
 
-void IoQueue::fail(const Transfer& t, std::uint64_t offset, std::size_t bytes, int error,
-                   const std::string& cause) {
+void IoQueue::fail(const Transfer& t, std::uint64_t offset, std::size_t bytes, int error, const std::string& cause) {
   // While cancelling, the transfer is abandoned anyway; only the first failure is kept.
   if (cancelling_ || failed_) return;
   failed_ = true;

@@ -46,9 +46,9 @@ struct IoFailure : std::runtime_error {
 struct IoCounters {
   std::uint64_t bytes_read = 0;
   std::uint64_t bytes_written = 0;
-  std::uint64_t requests = 0;           // requests submitted, resubmissions included
-  std::uint64_t short_transfers = 0;    // completions that moved fewer bytes than asked
-  std::size_t max_in_flight = 0;        // the deepest the backend was kept
+  std::uint64_t requests = 0;         // requests submitted, resubmissions included
+  std::uint64_t short_transfers = 0;  // completions that moved fewer bytes than asked
+  std::size_t max_in_flight = 0;      // the deepest the backend was kept
 };
 
 class IoQueue {
@@ -64,8 +64,7 @@ class IoQueue {
   // it) from/to `buffer`; poll() reports `token` once every byte moved. A
   // read that reaches the end of the file fails ("truncated").
   void read(const FileRef& file, std::uint64_t offset, void* buffer, std::size_t bytes, std::uint64_t token);
-  void write(const FileRef& file, std::uint64_t offset, const void* buffer, std::size_t bytes,
-             std::uint64_t token);
+  void write(const FileRef& file, std::uint64_t offset, const void* buffer, std::size_t bytes, std::uint64_t token);
 
   // Submits what the backend's depth allows and, with `wait` and something in
   // flight, blocks for at least one completion. Appends the tokens of the
@@ -126,16 +125,16 @@ class IoQueue {
 
   IoBackend& backend_;
   std::size_t request_bytes_;
-  std::size_t depth_;                     // backend_.depth(), fixed
+  std::size_t depth_;  // backend_.depth(), fixed
   IoCounters counters_;
-  std::deque<Piece> ready_;               // requests not yet submitted
-  std::vector<Transfer> transfers_;       // indexed by the tag's slot
+  std::deque<Piece> ready_;          // requests not yet submitted
+  std::vector<Transfer> transfers_;  // indexed by the tag's slot
   std::vector<std::uint32_t> free_slots_;
-  std::vector<std::uint64_t> empty_done_; // tokens of 0-byte transfers, reported by the next poll
-  std::size_t live_ = 0;                  // transfers queued or in flight
-  std::size_t in_flight_ = 0;             // requests the backend holds
-  std::vector<IoCompletion> completions_; // reap's scratch, depth_ long
-  bool cancelling_ = false;               // cancel() waits: failures are not recorded
+  std::vector<std::uint64_t> empty_done_;  // tokens of 0-byte transfers, reported by the next poll
+  std::size_t live_ = 0;                   // transfers queued or in flight
+  std::size_t in_flight_ = 0;              // requests the backend holds
+  std::vector<IoCompletion> completions_;  // reap's scratch, depth_ long
+  bool cancelling_ = false;                // cancel() waits: failures are not recorded
   // The first failure; once set the queue is dead (Note [no I/O after a failure returns]).
   bool failed_ = false;
   std::string failure_message_;

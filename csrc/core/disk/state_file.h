@@ -17,8 +17,8 @@ constexpr std::size_t kDirectAlignment = 4096;
 
 struct OpenedFile {
   FileRef file;
-  bool direct = false;   // opened with O_DIRECT
-  std::string note;      // why not O_DIRECT ("" when direct)
+  bool direct = false;  // opened with O_DIRECT
+  std::string note;     // why not O_DIRECT ("" when direct)
 };
 
 // Opens `path` read-write (creating it when `create`), O_DIRECT unless

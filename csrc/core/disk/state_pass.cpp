@@ -77,7 +77,9 @@ std::int64_t longest_chunk(const PassConfig& c, const std::vector<ParamPass>& pa
 class Pass {
  public:
   Pass(const PassConfig& c, std::vector<ParamPass>& params)
-      : c_(c), params_(params), arrays_(state_arrays(c.format, c.amsgrad)),
+      : c_(c),
+        params_(params),
+        arrays_(state_arrays(c.format, c.amsgrad)),
         offsets_(buffer_offsets(arrays_, longest_chunk(c, params))) {
     for (std::size_t i = 0; i < params.size(); ++i) {
       for (std::int64_t b = 0, k = 0; b < params[i].numel; b += c.chunk_numel, ++k) {
@@ -109,10 +111,18 @@ class Pass {
     auto* buf = static_cast<std::uint8_t*>(buffer);
     if (c_.kind == PassKind::kStep || c_.kind == PassKind::kRead) verify(r, p, buf, SIZE_MAX);
     switch (c_.kind) {
-      case PassKind::kStep: step(r, p, buf); break;
-      case PassKind::kFill: fill(r, p, buf); break;
-      case PassKind::kLoad: load(r, p, buf); break;
-      case PassKind::kRead: read_out(r, p, buf); return;
+      case PassKind::kStep:
+        step(r, p, buf);
+        break;
+      case PassKind::kFill:
+        fill(r, p, buf);
+        break;
+      case PassKind::kLoad:
+        load(r, p, buf);
+        break;
+      case PassKind::kRead:
+        read_out(r, p, buf);
+        return;
     }
     for (std::size_t a = 0; a < arrays_.size(); ++a) {
       const std::uint64_t used = array_bytes(arrays_[a], r.numel);
@@ -221,8 +231,8 @@ class Pass {
       if (p.sources[a] == nullptr) {
         std::memset(buf + offsets_[a], p.fill_bytes[a], used);
       } else {
-        std::memcpy(buf + offsets_[a], static_cast<const std::uint8_t*>(p.sources[a]) + array_bytes(arrays_[a], r.begin),
-                    used);
+        std::memcpy(buf + offsets_[a],
+                    static_cast<const std::uint8_t*>(p.sources[a]) + array_bytes(arrays_[a], r.begin), used);
       }
     }
   }

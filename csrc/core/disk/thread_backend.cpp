@@ -23,8 +23,8 @@ namespace {
 std::int64_t perform(const IoRequest& r) {
   const auto offset = static_cast<off_t>(r.offset);
   for (;;) {
-    const ssize_t n = r.op == IoOp::kRead ? ::pread(r.fd, r.buffer, r.bytes, offset)
-                                          : ::pwrite(r.fd, r.buffer, r.bytes, offset);
+    const ssize_t n =
+        r.op == IoOp::kRead ? ::pread(r.fd, r.buffer, r.bytes, offset) : ::pwrite(r.fd, r.buffer, r.bytes, offset);
     if (n >= 0) return n;
     if (errno != EINTR) return -static_cast<std::int64_t>(errno);
   }

@@ -35,12 +35,8 @@ HostSegment AlignedHostMemoryProvider::allocate(std::size_t bytes, int numa_node
   return {p, mapped_ ? p : nullptr};
 }
 
-void AlignedHostMemoryProvider::release(const HostSegment& segment, std::size_t) noexcept {
-  std::free(segment.host);
-}
+void AlignedHostMemoryProvider::release(const HostSegment& segment, std::size_t) noexcept { std::free(segment.host); }
 
-std::unique_ptr<UseEvent> CompletedEventSource::record(const StreamUse&) {
-  return std::make_unique<CompletedEvent>();
-}
+std::unique_ptr<UseEvent> CompletedEventSource::record(const StreamUse&) { return std::make_unique<CompletedEvent>(); }
 
 }  // namespace hipferry::pool

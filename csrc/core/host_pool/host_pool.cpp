@@ -74,9 +74,12 @@ HostPool::~HostPool() {
 
 HostPool::FreeSet& HostPool::free_set(SegmentKind kind) {
   switch (kind) {
-    case SegmentKind::kSmall: return free_small_;
-    case SegmentKind::kReserve: return free_reserve_;
-    default: return free_large_;
+    case SegmentKind::kSmall:
+      return free_small_;
+    case SegmentKind::kReserve:
+      return free_reserve_;
+    default:
+      return free_large_;
   }
 }
 
@@ -91,8 +94,9 @@ int HostPool::node_of_block(const void* host) const {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = live_.find(const_cast<void*>(host));
   if (it == live_.end()) {
-    throw PoolError("hipferry pinned pool: node_of_block of an address that is not a live block of this pool; "
-                    "expected memory allocated by this pool and not yet freed");
+    throw PoolError(
+        "hipferry pinned pool: node_of_block of an address that is not a live block of this pool; "
+        "expected memory allocated by this pool and not yet freed");
   }
   return it->second->segment->node;
 }
@@ -139,7 +143,8 @@ HostPool::Block* HostPool::find_free(const Request& r) {
 }
 
 HostPool::Block* HostPool::split(Block* b, std::size_t offset) {
-  Block* rest = new Block{b->host + offset, b->size - offset, 0, b->segment, b, b->next, BlockState::kFree, b->node, {}};
+  Block* rest =
+      new Block{b->host + offset, b->size - offset, 0, b->segment, b, b->next, BlockState::kFree, b->node, {}};
   if (b->next != nullptr) b->next->prev = rest;
   b->next = rest;
   b->size = offset;
@@ -196,8 +201,9 @@ void HostPool::record_use(void* host, StreamUse use) {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = live_.find(host);
   if (it == live_.end()) {
-    throw PoolError("hipferry pinned pool: record_use on an address that is not a live block of this pool; "
-                    "expected memory allocated by this pool and not yet freed");
+    throw PoolError(
+        "hipferry pinned pool: record_use on an address that is not a live block of this pool; "
+        "expected memory allocated by this pool and not yet freed");
   }
   auto& uses = it->second->uses;
   for (const StreamUse& u : uses) {
@@ -214,8 +220,9 @@ void HostPool::deallocate(void* host) {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = live_.find(host);
     if (it == live_.end()) {
-      throw PoolError("hipferry pinned pool: deallocate of an address that is not a live block of this pool "
-                      "(freed twice, or not from this pool)");
+      throw PoolError(
+          "hipferry pinned pool: deallocate of an address that is not a live block of this pool "
+          "(freed twice, or not from this pool)");
     }
     b = it->second;
     live_.erase(it);
@@ -243,7 +250,8 @@ void HostPool::deallocate(void* host) {
       std::lock_guard<std::mutex> lock(mutex_);
       --waiting_in_flight_;
       throw PoolError(std::string("hipferry pinned pool: could not record a stream event for a freed block; "
-                                  "the block is kept out of use: ") + e.what());
+                                  "the block is kept out of use: ") +
+                      e.what());
     }
     bool closed = false;
     {

@@ -111,16 +111,16 @@ class PoolCapacityError : public PoolError {
 };
 
 struct PoolOptions {
-  std::size_t capacity = SIZE_MAX;          // hard cap on reserved bytes
+  std::size_t capacity = SIZE_MAX;  // hard cap on reserved bytes
   // Where the cap came from and how to raise it, for the capacity error
   // ("the default budget: 50% of ..."); empty: the caller's own capacity.
   std::string capacity_origin;
-  std::size_t max_cached_bytes = SIZE_MAX;  // fully free segments beyond this go back at once
-  std::size_t reserve_bytes = 0;            // pre-allocated at construction, kept by trim()
-  std::size_t small_max = std::size_t{1} << 20;              // small requests: <= this
-  std::size_t small_segment_bytes = std::size_t{2} << 20;    // segment size for small blocks
-  std::size_t large_segment_bytes = std::size_t{32} << 20;   // segment size for medium blocks
-  std::size_t own_segment_threshold = std::size_t{16} << 20; // above: a segment of its own
+  std::size_t max_cached_bytes = SIZE_MAX;                    // fully free segments beyond this go back at once
+  std::size_t reserve_bytes = 0;                              // pre-allocated at construction, kept by trim()
+  std::size_t small_max = std::size_t{1} << 20;               // small requests: <= this
+  std::size_t small_segment_bytes = std::size_t{2} << 20;     // segment size for small blocks
+  std::size_t large_segment_bytes = std::size_t{32} << 20;    // segment size for medium blocks
+  std::size_t own_segment_threshold = std::size_t{16} << 20;  // above: a segment of its own
   // Growth bound: before the pool takes a new segment that would make it
   // reserve more than growth_limit x (bytes requested, this request included),
   // it gives cached fully free segments back to the provider (they cannot
@@ -150,9 +150,9 @@ struct PoolStats {
   std::size_t waiting_blocks = 0;  // freed, parked until their events complete
   std::size_t waiting_bytes = 0;
   std::size_t segments = 0;
-  std::uint64_t cache_hits = 0;    // allocations served without the provider
-  std::uint64_t cache_misses = 0;  // allocations that needed a new segment
-  std::uint64_t reclaims = 0;      // over-capacity allocations the reclaimer let go of memory for
+  std::uint64_t cache_hits = 0;       // allocations served without the provider
+  std::uint64_t cache_misses = 0;     // allocations that needed a new segment
+  std::uint64_t reclaims = 0;         // over-capacity allocations the reclaimer let go of memory for
   std::uint64_t growth_releases = 0;  // cached segments given back to stay within growth_limit
   std::uint64_t system_allocs = 0;
   std::uint64_t system_frees = 0;
@@ -224,14 +224,14 @@ class HostPool {
   enum class BlockState : std::uint8_t { kFree, kLive, kWaiting };
   struct Segment;
   struct Block {
-    char* host;            // start address
-    std::size_t size;      // bytes, a multiple of kAlignment
-    std::size_t requested; // bytes asked for while live, 0 otherwise
+    char* host;             // start address
+    std::size_t size;       // bytes, a multiple of kAlignment
+    std::size_t requested;  // bytes asked for while live, 0 otherwise
     Segment* segment;
-    Block* prev;           // address neighbours inside the segment
+    Block* prev;  // address neighbours inside the segment
     Block* next;
     BlockState state;
-    int node;              // segment->node, kept here: the free sets compare it on every lookup
+    int node;                     // segment->node, kept here: the free sets compare it on every lookup
     std::vector<StreamUse> uses;  // streams recorded while live
   };
   struct Segment {
@@ -331,20 +331,20 @@ class HostPool {
 
   mutable std::mutex mutex_;
   // --- guarded by mutex_ ---
-  FreeSet free_small_;    // free blocks of small segments, per node
-  FreeSet free_large_;    // free blocks of large and own segments, per node
-  FreeSet free_reserve_;  // free blocks of the reserve (every size class)
-  std::unordered_map<void*, Block*> live_;          // live blocks by host address
-  std::vector<Waiting> waiting_;                     // parked blocks with their events
-  std::size_t waiting_in_flight_ = 0;  // waiting blocks taken out of waiting_ to be polled
-  std::uint64_t completions_ = 0;      // waiting blocks freed so far (lets allocate see progress)
+  FreeSet free_small_;                      // free blocks of small segments, per node
+  FreeSet free_large_;                      // free blocks of large and own segments, per node
+  FreeSet free_reserve_;                    // free blocks of the reserve (every size class)
+  std::unordered_map<void*, Block*> live_;  // live blocks by host address
+  std::vector<Waiting> waiting_;            // parked blocks with their events
+  std::size_t waiting_in_flight_ = 0;       // waiting blocks taken out of waiting_ to be polled
+  std::uint64_t completions_ = 0;           // waiting blocks freed so far (lets allocate see progress)
   std::vector<std::unique_ptr<Segment>> segments_;
-  std::size_t pending_bytes_ = 0;      // capacity set aside for provider allocations in progress
-  std::size_t fully_free_bytes_ = 0;   // bytes in non-reserve segments that are one free block
+  std::size_t pending_bytes_ = 0;     // capacity set aside for provider allocations in progress
+  std::size_t fully_free_bytes_ = 0;  // bytes in non-reserve segments that are one free block
   bool closed_ = false;
   std::function<std::size_t()> reclaimer_;  // see set_reclaimer (called with no lock held)
-  PoolStats stats_;                    // counters; cached_free_bytes etc. derived in stats()
-  std::size_t free_bytes_ = 0;         // sum of free block sizes
+  PoolStats stats_;                         // counters; cached_free_bytes etc. derived in stats()
+  std::size_t free_bytes_ = 0;              // sum of free block sizes
 };
 
 }  // namespace hipferry::pool

@@ -33,15 +33,15 @@ PoolStats HostPool::stats() const {
 }
 
 void HostPool::throw_capacity(std::size_t bytes, std::size_t segment_bytes) const {
-  throw PoolCapacityError(
-      "hipferry pinned pool: cannot allocate " + format_bytes(bytes) + ": capacity is " +
-      format_bytes(options_.capacity) + ", " + format_bytes(stats_.requested_bytes) + " in use (" +
-      format_bytes(stats_.allocated_bytes) + " in blocks), " + format_bytes(free_bytes_) +
-      " cached but too fragmented to serve it, " + format_bytes(pending_bytes_) +
-      " being allocated by other threads; a new segment of " + format_bytes(segment_bytes) +
-      " would exceed the capacity. " +
-      (options_.capacity_origin.empty() ? std::string("Free tensors from this pool or create it with a larger capacity")
-                                        : "The capacity is " + options_.capacity_origin));
+  throw PoolCapacityError("hipferry pinned pool: cannot allocate " + format_bytes(bytes) + ": capacity is " +
+                          format_bytes(options_.capacity) + ", " + format_bytes(stats_.requested_bytes) + " in use (" +
+                          format_bytes(stats_.allocated_bytes) + " in blocks), " + format_bytes(free_bytes_) +
+                          " cached but too fragmented to serve it, " + format_bytes(pending_bytes_) +
+                          " being allocated by other threads; a new segment of " + format_bytes(segment_bytes) +
+                          " would exceed the capacity. " +
+                          (options_.capacity_origin.empty()
+                               ? std::string("Free tensors from this pool or create it with a larger capacity")
+                               : "The capacity is " + options_.capacity_origin));
 }
 
 void HostPool::check_invariants() const {
@@ -68,7 +68,9 @@ void HostPool::check_invariants() const {
                           : s->kind == SegmentKind::kReserve ? free_reserve_
                                                              : free_large_;
         if (set.count(const_cast<Block*>(b)) == 0) fail("free block missing from its free set");
-        (s->kind == SegmentKind::kSmall ? free_small : s->kind == SegmentKind::kReserve ? free_reserve : free_large) += 1;
+        (s->kind == SegmentKind::kSmall     ? free_small
+         : s->kind == SegmentKind::kReserve ? free_reserve
+                                            : free_large) += 1;
         if (b->size == s->size && s->kind != SegmentKind::kReserve) fully_free += s->size;
       } else {
         allocated += b->size;

@@ -18,7 +18,8 @@ PoolError closed_error() { return PoolError("hipferry pinned pool: allocate on a
 
 HostPool::Segment* HostPool::add_segment(const HostSegment& memory, std::size_t size, SegmentKind kind, int node) {
   auto s = std::make_unique<Segment>(Segment{memory, size, kind, node, nullptr});
-  s->first = new Block{static_cast<char*>(memory.host), size, 0, s.get(), nullptr, nullptr, BlockState::kFree, node, {}};
+  s->first =
+      new Block{static_cast<char*>(memory.host), size, 0, s.get(), nullptr, nullptr, BlockState::kFree, node, {}};
   free_set(kind).insert(s->first);
   free_bytes_ += size;
   if (kind != SegmentKind::kReserve) fully_free_bytes_ += size;
@@ -138,7 +139,7 @@ void HostPool::require_page_aligned(const HostSegment& memory, std::size_t bytes
 }
 
 HostPool::Allocation HostPool::allocate_segment(const Request& r, std::size_t segment_bytes) {
-  const SegmentKind kind = r.small                                  ? SegmentKind::kSmall
+  const SegmentKind kind = r.small                                   ? SegmentKind::kSmall
                            : r.size > options_.own_segment_threshold ? SegmentKind::kOwn
                                                                      : SegmentKind::kLarge;
   HostSegment memory;

@@ -10,9 +10,9 @@
 namespace hipferry::pool {
 namespace {
 
-constexpr int kMpolBind = 2;         // <linux/mempolicy.h> MPOL_BIND
-constexpr unsigned kMpolFNode = 1;   // MPOL_F_NODE
-constexpr unsigned kMpolFAddr = 2;   // MPOL_F_ADDR
+constexpr int kMpolBind = 2;        // <linux/mempolicy.h> MPOL_BIND
+constexpr unsigned kMpolFNode = 1;  // MPOL_F_NODE
+constexpr unsigned kMpolFAddr = 2;  // MPOL_F_ADDR
 constexpr unsigned long kMaxNodes = 1024;
 
 }  // namespace

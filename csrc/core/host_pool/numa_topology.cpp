@@ -72,7 +72,7 @@ int NumaTopology::node_of_pci_device(const std::string& pci_bus_id, const std::s
 }
 
 std::vector<int> NumaTopology::device_nodes(const std::vector<std::string>& pci_bus_ids,
-                                           const std::string& sysfs_root) const {
+                                            const std::string& sysfs_root) const {
   std::vector<int> out(pci_bus_ids.size(), -1);
   if (!multi_node()) return out;  // nothing to choose between
   for (std::size_t d = 0; d < pci_bus_ids.size(); ++d) {

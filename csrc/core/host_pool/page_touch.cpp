@@ -27,9 +27,12 @@ void touch_pages(char* p, std::size_t bytes, int threads, const SpawnThread& spa
   constexpr std::size_t kPage = 4096;
   const std::size_t pages = bytes / kPage;
   const std::size_t n = threads > 1 ? static_cast<std::size_t>(threads) : 1;
-  run_pieces(n, [&](std::size_t i) {
-    for (std::size_t page = pages * i / n; page < pages * (i + 1) / n; ++page) p[page * kPage] = 0;
-  }, spawn);
+  run_pieces(
+      n,
+      [&](std::size_t i) {
+        for (std::size_t page = pages * i / n; page < pages * (i + 1) / n; ++page) p[page * kPage] = 0;
+      },
+      spawn);
 }
 
 }  // namespace hipferry::pool

@@ -24,9 +24,7 @@ constexpr std::size_t kOwnSegmentGranule = std::size_t{64} << 10;
 // Above this no request is accepted (no host has 256 TiB).
 constexpr std::size_t kMaxRequestBytes = std::size_t{1} << 48;
 
-constexpr std::size_t round_up(std::size_t n, std::size_t multiple) {
-  return (n + multiple - 1) / multiple * multiple;
-}
+constexpr std::size_t round_up(std::size_t n, std::size_t multiple) { return (n + multiple - 1) / multiple * multiple; }
 
 constexpr std::size_t floor_pow2(std::size_t n) {
   std::size_t p = 1;

@@ -170,8 +170,8 @@ template <class Grad, bool kAmsgrad, bool kFrom>
 }
 
 template <class Grad, class Out, bool kAmsgrad, int kWriteOut, bool kFrom>
-[[gnu::always_inline]] inline void adamw8bit_body(const AdamW8bitArrays& a, const AdamWScalars& s,
-                                                  std::int64_t begin, std::int64_t end) {
+[[gnu::always_inline]] inline void adamw8bit_body(const AdamW8bitArrays& a, const AdamWScalars& s, std::int64_t begin,
+                                                  std::int64_t end) {
   const q8::Quant8Map& map_m = q8::quant8_map(true);
   const q8::Quant8Map& map_v = q8::quant8_map(false);
   const std::uint8_t* codes_m = kFrom ? a.exp_avg_in.codes : a.exp_avg.codes;
@@ -184,7 +184,7 @@ template <class Grad, class Out, bool kAmsgrad, int kWriteOut, bool kFrom>
     prefetch_block<Grad, kAmsgrad, kFrom>(a, first + kPrefetchAhead * kBlock, end);
     if constexpr (kAmsgrad) {
       lookup<3>({map_m.code, map_v.code, map_v.code}, {codes_m + first, codes_v + first, codes_x + first},
-                       {moments.m, moments.v, moments.max_v}, count);
+                {moments.m, moments.v, moments.max_v}, count);
     } else {
       lookup<2>({map_m.code, map_v.code}, {codes_m + first, codes_v + first}, {moments.m, moments.v}, count);
     }
@@ -192,17 +192,16 @@ template <class Grad, class Out, bool kAmsgrad, int kWriteOut, bool kFrom>
     if constexpr (kAmsgrad) {
       float scale[3];
       quantize_blocks<3>({moments.m, moments.v, moments.max_v},
-                                {moments.max_bits_m, moments.max_bits_v, moments.max_bits_max_v},
-                                {&map_m, &map_v, &map_v}, count,
-                                {a.exp_avg.codes + first, a.exp_avg_sq.codes + first, a.max_exp_avg_sq.codes + first},
-                                scale);
+                         {moments.max_bits_m, moments.max_bits_v, moments.max_bits_max_v}, {&map_m, &map_v, &map_v},
+                         count, {a.exp_avg.codes + first, a.exp_avg_sq.codes + first, a.max_exp_avg_sq.codes + first},
+                         scale);
       a.max_exp_avg_sq.absmax[block] = scale[2];
       a.exp_avg.absmax[block] = scale[0];
       a.exp_avg_sq.absmax[block] = scale[1];
     } else {
       float scale[2];
-      quantize_blocks<2>({moments.m, moments.v}, {moments.max_bits_m, moments.max_bits_v}, {&map_m, &map_v},
-                                count, {a.exp_avg.codes + first, a.exp_avg_sq.codes + first}, scale);
+      quantize_blocks<2>({moments.m, moments.v}, {moments.max_bits_m, moments.max_bits_v}, {&map_m, &map_v}, count,
+                         {a.exp_avg.codes + first, a.exp_avg_sq.codes + first}, scale);
       a.exp_avg.absmax[block] = scale[0];
       a.exp_avg_sq.absmax[block] = scale[1];
     }
@@ -234,14 +233,13 @@ void adamw8bit_pick_from(cpu::Isa isa, const AdamW8bitArrays& a, const AdamWScal
                          std::int64_t end) {
   const int out = a.param_out == nullptr ? kNoOut : (!kFrom && a.adopt_out) ? kAdoptAndWrite : kWrite;
   if (s.amsgrad) {
-    out == kWrite ? adamw8bit_loop<Grad, Out, true, kWrite, kFrom>(isa, a, s, begin, end)
+    out == kWrite   ? adamw8bit_loop<Grad, Out, true, kWrite, kFrom>(isa, a, s, begin, end)
     : out == kNoOut ? adamw8bit_loop<Grad, Out, true, kNoOut, kFrom>(isa, a, s, begin, end)
                     : adamw8bit_loop<Grad, Out, true, kFrom ? kWrite : kAdoptAndWrite, kFrom>(isa, a, s, begin, end);
   } else {
-    out == kWrite ? adamw8bit_loop<Grad, Out, false, kWrite, kFrom>(isa, a, s, begin, end)
+    out == kWrite   ? adamw8bit_loop<Grad, Out, false, kWrite, kFrom>(isa, a, s, begin, end)
     : out == kNoOut ? adamw8bit_loop<Grad, Out, false, kNoOut, kFrom>(isa, a, s, begin, end)
-                    : adamw8bit_loop<Grad, Out, false, kFrom ? kWrite : kAdoptAndWrite, kFrom>(isa, a, s, begin,
-                                                                                              end);
+                    : adamw8bit_loop<Grad, Out, false, kFrom ? kWrite : kAdoptAndWrite, kFrom>(isa, a, s, begin, end);
   }
 }
 
@@ -260,9 +258,8 @@ void adamw8bit_pick_from(cpu::Isa isa, const AdamW8bitArrays& a, const AdamWScal
   }
 }
 
-[[gnu::always_inline]] inline void dequantize_body(const std::uint8_t* codes, const float* absmax,
-                                                   const float* code, float* out, std::int64_t begin,
-                                                   std::int64_t end) {
+[[gnu::always_inline]] inline void dequantize_body(const std::uint8_t* codes, const float* absmax, const float* code,
+                                                   float* out, std::int64_t begin, std::int64_t end) {
   for (std::int64_t first = begin; first < end; first += kBlock) {
     const int count = static_cast<int>(std::min<std::int64_t>(kBlock, end - first));
     float* __restrict values = out + first;
@@ -274,12 +271,12 @@ void adamw8bit_pick_from(cpu::Isa isa, const AdamW8bitArrays& a, const AdamWScal
 }
 
 #ifdef HIPFERRY_HAVE_AVX2_BUILD
-HIPFERRY_AVX2_TARGET void quantize_avx2(const float* x, const q8::Quant8Map& map, std::uint8_t* codes,
-                                        float* absmax, std::int64_t begin, std::int64_t end) {
+HIPFERRY_AVX2_TARGET void quantize_avx2(const float* x, const q8::Quant8Map& map, std::uint8_t* codes, float* absmax,
+                                        std::int64_t begin, std::int64_t end) {
   quantize_body(x, map, codes, absmax, begin, end);
 }
-HIPFERRY_AVX2_TARGET void dequantize_avx2(const std::uint8_t* codes, const float* absmax, const float* code,
-                                          float* out, std::int64_t begin, std::int64_t end) {
+HIPFERRY_AVX2_TARGET void dequantize_avx2(const std::uint8_t* codes, const float* absmax, const float* code, float* out,
+                                          std::int64_t begin, std::int64_t end) {
   dequantize_body(codes, absmax, code, out, begin, end);
 }
 #endif

@@ -32,15 +32,15 @@ struct Quant8Input {
 
 // One parameter's flat state, element 0 of each array.
 struct AdamW8bitArrays {
-  float* param = nullptr;           // float32 parameter or master copy
-  const void* grad = nullptr;       // the gradient, in grad_type
+  float* param = nullptr;      // float32 parameter or master copy
+  const void* grad = nullptr;  // the gradient, in grad_type
   ElementType grad_type = ElementType::kFloat32;
-  Quant8Array exp_avg;              // m: the signed dynamic map
-  Quant8Array exp_avg_sq;           // v: the unsigned dynamic map
-  Quant8Array max_exp_avg_sq;       // amsgrad only (unsigned map), else unused
-  void* param_out = nullptr;        // also write the updated value here in out_type (nullptr: don't)
+  Quant8Array exp_avg;         // m: the signed dynamic map
+  Quant8Array exp_avg_sq;      // v: the unsigned dynamic map
+  Quant8Array max_exp_avg_sq;  // amsgrad only (unsigned map), else unused
+  void* param_out = nullptr;   // also write the updated value here in out_type (nullptr: don't)
   ElementType out_type = ElementType::kBFloat16;
-  bool adopt_out = false;           // param_out is the parameter itself: AdamWArrays::adopt_out
+  bool adopt_out = false;  // param_out is the parameter itself: AdamWArrays::adopt_out
   // Out of place (AdamWArrays' *_in, the speculative step): read these, write the arrays
   // above, leave these untouched. All null: in place. Set: param_in, exp_avg_in and
   // exp_avg_sq_in (and max_exp_avg_sq_in with amsgrad), none overlapping an array written.
@@ -66,7 +66,7 @@ void adamw8bit_cpu_isa(cpu::Isa isa, const AdamW8bitArrays& a, const AdamWScalar
 // unsigned map. The inverse: out = code[q] * scale.
 void quantize_blockwise8(cpu::Isa isa, const float* x, bool is_signed, std::uint8_t* codes, float* absmax,
                          std::int64_t begin, std::int64_t end);
-void dequantize_blockwise8(cpu::Isa isa, const std::uint8_t* codes, const float* absmax, bool is_signed,
-                           float* out, std::int64_t begin, std::int64_t end);
+void dequantize_blockwise8(cpu::Isa isa, const std::uint8_t* codes, const float* absmax, bool is_signed, float* out,
+                           std::int64_t begin, std::int64_t end);
 
 }  // namespace hipferry::optim

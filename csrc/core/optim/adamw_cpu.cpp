@@ -80,15 +80,14 @@ void adamw_loop(cpu::Isa isa, const AdamWArrays& a, const AdamWScalars& s, std::
 }
 
 template <class Grad, class Out, bool kFrom>
-void adamw_pick_from(cpu::Isa isa, const AdamWArrays& a, const AdamWScalars& s, std::int64_t begin,
-                     std::int64_t end) {
+void adamw_pick_from(cpu::Isa isa, const AdamWArrays& a, const AdamWScalars& s, std::int64_t begin, std::int64_t end) {
   const int out = a.param_out == nullptr ? kNoOut : (!kFrom && a.adopt_out) ? kAdoptAndWrite : kWrite;
   if (s.amsgrad) {
-    out == kWrite ? adamw_loop<Grad, Out, true, kWrite, kFrom>(isa, a, s, begin, end)
+    out == kWrite   ? adamw_loop<Grad, Out, true, kWrite, kFrom>(isa, a, s, begin, end)
     : out == kNoOut ? adamw_loop<Grad, Out, true, kNoOut, kFrom>(isa, a, s, begin, end)
                     : adamw_loop<Grad, Out, true, kFrom ? kWrite : kAdoptAndWrite, kFrom>(isa, a, s, begin, end);
   } else {
-    out == kWrite ? adamw_loop<Grad, Out, false, kWrite, kFrom>(isa, a, s, begin, end)
+    out == kWrite   ? adamw_loop<Grad, Out, false, kWrite, kFrom>(isa, a, s, begin, end)
     : out == kNoOut ? adamw_loop<Grad, Out, false, kNoOut, kFrom>(isa, a, s, begin, end)
                     : adamw_loop<Grad, Out, false, kFrom ? kWrite : kAdoptAndWrite, kFrom>(isa, a, s, begin, end);
   }

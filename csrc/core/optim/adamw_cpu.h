@@ -12,8 +12,8 @@ namespace hipferry::optim {
 
 // One parameter's flat state, element 0 of each array.
 struct AdamWArrays {
-  float* param = nullptr;           // float32 parameter or master copy, updated in place
-  const void* grad = nullptr;       // the gradient, in grad_type
+  float* param = nullptr;      // float32 parameter or master copy, updated in place
+  const void* grad = nullptr;  // the gradient, in grad_type
   ElementType grad_type = ElementType::kFloat32;
   float* exp_avg = nullptr;
   float* exp_avg_sq = nullptr;
@@ -39,7 +39,6 @@ void adamw_cpu(const AdamWArrays& a, const AdamWScalars& s, std::int64_t begin, 
 
 // The same with the build chosen by the caller (`isa` must be one this CPU
 // runs: <= cpu::best_isa()). Both builds give the same bits; tests prove it.
-void adamw_cpu_isa(cpu::Isa isa, const AdamWArrays& a, const AdamWScalars& s, std::int64_t begin,
-                   std::int64_t end);
+void adamw_cpu_isa(cpu::Isa isa, const AdamWArrays& a, const AdamWScalars& s, std::int64_t begin, std::int64_t end);
 
 }  // namespace hipferry::optim

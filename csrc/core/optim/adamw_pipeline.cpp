@@ -31,9 +31,8 @@ AdamWPipeline::AdamWPipeline(std::int64_t chunk_numel, int slots, std::unique_pt
   if (ring_->size() != static_cast<std::size_t>(slots)) throw std::invalid_argument("AdamWPipeline: ring size");
 }
 
-void AdamWPipeline::step(const std::vector<StreamedArrays>& params, const AdamWScalars& s,
-                         const AdamWStreams& st, float* ring, int arrays_per_slot, bool ring_is_new,
-                         const AdamWLauncher& launch) {
+void AdamWPipeline::step(const std::vector<StreamedArrays>& params, const AdamWScalars& s, const AdamWStreams& st,
+                         float* ring, int arrays_per_slot, bool ring_is_new, const AdamWLauncher& launch) {
   if (params.empty()) return;
   if (arrays_per_slot < adamw_arrays_per_slot(params, s.amsgrad)) {
     throw std::invalid_argument("AdamWPipeline::step: the ring has " + std::to_string(arrays_per_slot) +

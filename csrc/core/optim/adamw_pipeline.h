@@ -47,19 +47,19 @@ namespace hipferry::optim {
 // One parameter of a streamed step.
 struct StreamedArrays {
   std::int64_t numel = 0;
-  void* param = nullptr;                     // device: float32 updated in place, or low precision written from master
+  void* param = nullptr;  // device: float32 updated in place, or low precision written from master
   ElementType param_type = ElementType::kFloat32;
-  const void* grad = nullptr;                // device, grad_type
+  const void* grad = nullptr;  // device, grad_type
   ElementType grad_type = ElementType::kFloat32;
-  float* master = nullptr;                   // host float32 master: present exactly when param is low precision
-  float* exp_avg = nullptr;                  // host
-  float* exp_avg_sq = nullptr;               // host
-  float* max_exp_avg_sq = nullptr;           // host, amsgrad only
+  float* master = nullptr;          // host float32 master: present exactly when param is low precision
+  float* exp_avg = nullptr;         // host
+  float* exp_avg_sq = nullptr;      // host
+  float* max_exp_avg_sq = nullptr;  // host, amsgrad only
 };
 
 // Queues the fused kernel for `count` elements on a GPU stream.
-using AdamWLauncher = std::function<void(const AdamWArrays&, const AdamWScalars&, std::int64_t count,
-                                         schedule::NativeStream)>;
+using AdamWLauncher =
+    std::function<void(const AdamWArrays&, const AdamWScalars&, std::int64_t count, schedule::NativeStream)>;
 
 struct AdamWStreams {
   schedule::Stream& in;

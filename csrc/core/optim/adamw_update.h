@@ -61,14 +61,14 @@ struct AdamWHyper {
 
 // The float scalars of one step (`step` counts from 1).
 struct AdamWScalars {
-  float decay;            // 1 - lr * weight_decay (1 when weight_decay == 0: torch skips the multiply)
+  float decay;  // 1 - lr * weight_decay (1 when weight_decay == 0: torch skips the multiply)
   float beta1;
   float one_minus_beta1;  // 1 - beta1, rounded once from double
   float beta2;
   float one_minus_beta2;  // 1 - beta2, rounded once from double
   float inv_bias2_sqrt;   // 1 / sqrt(1 - beta2^step)
   float eps;
-  float step_size;        // lr / (1 - beta1^step)
+  float step_size;  // lr / (1 - beta1^step)
   bool amsgrad;
   bool maximize;
   std::uint32_t grad_sign_mask;  // 0x80000000 with maximize: flips the gradient's sign bit (exactly -grad)

@@ -39,8 +39,8 @@
 
 namespace hipferry::optim::q8 {
 
-constexpr int kBlock = 256;   // elements per scale
-constexpr int kCodes = 256;   // entries of a code table
+constexpr int kBlock = 256;  // elements per scale
+constexpr int kCodes = 256;  // entries of a code table
 constexpr std::uint32_t kInfBits = 0x7f800000u;
 constexpr std::uint32_t kNanBits = 0x7fc00000u;
 
@@ -116,8 +116,8 @@ HIPFERRY_HD float dequantize(float code_value, float scale) { return code_value 
 // update of adamw_update.h, unchanged. The new m, v, max_v come back in float; the caller
 // quantizes them against the new scales of their blocks once it knows them.
 template <bool kAmsgrad>
-HIPFERRY_HD void adamw8bit_element(float& param, float grad, float code_m, float scale_m, float code_v,
-                                   float scale_v, float code_max, float scale_max, float& m, float& v, float& max_v,
+HIPFERRY_HD void adamw8bit_element(float& param, float grad, float code_m, float scale_m, float code_v, float scale_v,
+                                   float code_max, float scale_max, float& m, float& v, float& max_v,
                                    const AdamWScalars& s) {
   m = dequantize(code_m, scale_m);
   v = dequantize(code_v, scale_v);

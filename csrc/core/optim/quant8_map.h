@@ -45,10 +45,10 @@ constexpr int kLutCodeShift = 17;
 constexpr std::uint32_t kLutNoThreshold = 0x10000u;  // above every 16-bit order value
 
 struct Quant8Map {
-  float code[kCodes];                 // ascending: dynamic_map(is_signed)
-  float threshold[kCodes];            // [i] between code[i] and code[i+1]; [255] is NaN (never <= y)
-  std::int32_t lut[kLutSize];         // packed entries, see kLutCodeShift
-  std::uint8_t zero_code;             // the index of 0.0 in code
+  float code[kCodes];          // ascending: dynamic_map(is_signed)
+  float threshold[kCodes];     // [i] between code[i] and code[i+1]; [255] is NaN (never <= y)
+  std::int32_t lut[kLutSize];  // packed entries, see kLutCodeShift
+  std::uint8_t zero_code;      // the index of 0.0 in code
   bool is_signed;
 };
 

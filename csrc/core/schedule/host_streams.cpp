@@ -115,7 +115,8 @@ void WorkerStream::submit(Label label, std::function<void()> f, bool traced) {
 }
 
 void WorkerStream::copy(void* dst, const void* src, std::size_t bytes, const Label& label) {
-  submit(label, [dst, src, bytes] { std::memcpy(dst, src, bytes); }, true);
+  submit(
+      label, [dst, src, bytes] { std::memcpy(dst, src, bytes); }, true);
 }
 
 void WorkerStream::enqueue(Work work) {
@@ -134,7 +135,8 @@ void WorkerStream::wait(const std::shared_ptr<Event>& event) {
   if (auto* own = dynamic_cast<WorkerEvent*>(event.get()); own != nullptr && own->of_stream(failure_)) return;
   // The worker waits when it gets there (at once for another stream's event
   // on this worker: it runs in order), and a failed event fails this stream.
-  submit(Label{"wait", "wait", 0}, [event] { event->synchronize(); }, /*traced=*/false);
+  submit(
+      Label{"wait", "wait", 0}, [event] { event->synchronize(); }, /*traced=*/false);
 }
 
 }  // namespace hipferry::schedule

@@ -33,8 +33,7 @@ class CompletedEvent : public Event {
 // run, later events report the error.
 class ImmediateStream : public Stream {
  public:
-  explicit ImmediateStream(std::string track, SpanSink* spans = nullptr)
-      : track_(std::move(track)), spans_(spans) {}
+  explicit ImmediateStream(std::string track, SpanSink* spans = nullptr) : track_(std::move(track)), spans_(spans) {}
   void copy(void* dst, const void* src, std::size_t bytes, const Label& label) override;
   void enqueue(Work work) override;
   std::shared_ptr<Event> record() override;
@@ -66,8 +65,8 @@ class WorkerStream : public Stream {
 
   // The first failure of this stream, shared with its events.
   struct Failure {
-    std::mutex mutex;        // guards the two below
-    std::uint64_t seq = 0;   // the failed work's place in this stream's queue (1, 2, ...; 0: none)
+    std::mutex mutex;       // guards the two below
+    std::uint64_t seq = 0;  // the failed work's place in this stream's queue (1, 2, ...; 0: none)
     std::string error;
   };
 
@@ -77,8 +76,8 @@ class WorkerStream : public Stream {
   std::string track_;
   SpanSink* spans_;
   std::shared_ptr<Failure> failure_ = std::make_shared<Failure>();
-  std::mutex mutex_;             // guards queued_, and makes (number, submit) one step
-  std::uint64_t queued_ = 0;     // work queued on this stream so far
+  std::mutex mutex_;          // guards queued_, and makes (number, submit) one step
+  std::uint64_t queued_ = 0;  // work queued on this stream so far
 };
 
 }  // namespace hipferry::schedule

@@ -50,8 +50,8 @@ std::uint64_t InFlightWindow::add(std::shared_ptr<Event> done, std::size_t bytes
 
 bool InFlightWindow::withdraw(std::uint64_t id) {
   // Ids grow from front to back: a binary search over a deque.
-  auto it = std::lower_bound(entries_.begin(), entries_.end(), id,
-                             [](const Entry& e, std::uint64_t v) { return e.id < v; });
+  auto it =
+      std::lower_bound(entries_.begin(), entries_.end(), id, [](const Entry& e, std::uint64_t v) { return e.id < v; });
   if (it == entries_.end() || it->id != id) return false;
   Entry taken = std::move(*it);
   entries_.erase(it);

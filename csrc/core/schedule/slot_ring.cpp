@@ -12,8 +12,8 @@ SlotRing::SlotRing(std::size_t slots) : released_(slots) {
 }
 
 void SlotRing::acquire(std::size_t k, Stream& first) {
-  if (k >= size()) throw std::out_of_range("SlotRing::acquire: slot " + std::to_string(k) + " of " +
-                                           std::to_string(size()));
+  if (k >= size())
+    throw std::out_of_range("SlotRing::acquire: slot " + std::to_string(k) + " of " + std::to_string(size()));
   if (released_[k]) first.wait(released_[k]);
 }
 
@@ -23,8 +23,8 @@ void SlotRing::pass(std::size_t, Stream& from, Stream& to) {
 }
 
 void SlotRing::release(std::size_t k, Stream& last) {
-  if (k >= size()) throw std::out_of_range("SlotRing::release: slot " + std::to_string(k) + " of " +
-                                           std::to_string(size()));
+  if (k >= size())
+    throw std::out_of_range("SlotRing::release: slot " + std::to_string(k) + " of " + std::to_string(size()));
   released_[k] = last.record();
 }
 

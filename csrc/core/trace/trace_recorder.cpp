@@ -12,11 +12,21 @@ std::string json_string(const std::string& text) {
   std::string out = "\"";
   for (const unsigned char c : text) {
     switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
       default:
         if (c < 0x20) {
           char buf[8];
@@ -77,7 +87,8 @@ std::string TraceRecorder::chrome_json() const {
   for (const TraceEvent& e : events) {
     const double ts_us = static_cast<double>(e.start_ns - origin) / 1e3;
     const double dur_us = static_cast<double>(e.end_ns - e.start_ns) / 1e3;
-    const double gbps = e.end_ns > e.start_ns ? static_cast<double>(e.bytes) / static_cast<double>(e.end_ns - e.start_ns) : 0.0;
+    const double gbps =
+        e.end_ns > e.start_ns ? static_cast<double>(e.bytes) / static_cast<double>(e.end_ns - e.start_ns) : 0.0;
     std::snprintf(buf, sizeof buf, ", \"ts\": %.3f, \"dur\": %.3f, \"args\": {\"bytes\": %zu, \"GBps\": %.3f}}", ts_us,
                   dur_us, e.bytes, gbps);
     emit("{\"ph\": \"X\", \"pid\": 1, \"tid\": " + std::to_string(track_ids[e.track]) +

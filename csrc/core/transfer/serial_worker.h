@@ -44,8 +44,8 @@ class SerialWorker {
   void run();
 
   const std::string name_;
-  mutable std::mutex mutex_;  // guards every field below
-  std::condition_variable work_ready_;  // tasks_ non-empty or stopping_
+  mutable std::mutex mutex_;                    // guards every field below
+  std::condition_variable work_ready_;          // tasks_ non-empty or stopping_
   mutable std::condition_variable progressed_;  // done_ advanced
   std::deque<std::pair<std::uint64_t, std::function<void()>>> tasks_;
   std::map<std::uint64_t, std::exception_ptr> errors_;  // failed tickets not yet waited

@@ -67,7 +67,8 @@ def eight_bit_rows(sizes: List[int], repeats: int, rows: List[dict], notes: List
 
 
 def _verdicts(found: dict, notes: List[str]) -> None:
-    for target, key, need in ((">= 1.4x the float32-state step", FP32, 1.4), (">= 10x bitsandbytes AdamW8bit", BNB, 10.0)):
+    for target, key, need in ((">= 1.4x the float32-state step", FP32, 1.4),
+                              (">= 10x bitsandbytes AdamW8bit", BNB, 10.0)):
         got = [(n, best[key] / best[EIGHT]) for n, (best, _) in found.items() if key in best]
         if got:
             missed = [f"{n / 1e6:g}M ({v:.2f})" for n, v in got if v < need]

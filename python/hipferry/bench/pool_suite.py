@@ -220,7 +220,8 @@ def _churn_ops(seed, hidden, mlp, layers, small, rounds):
 def _churn(ctx, rows, notes):
     """reserved / peak requested after the first fill and after each churn round; beside it,
     the figure torch's pinned-allocator rule would give (computed)."""
-    hidden, mlp, layers, small = 2048, 5504, 8, 2000  # the issue's sizes (about 1.3 GB; quick too: it takes well under a second)
+    # the issue's sizes (about 1.3 GB; quick too: it takes well under a second)
+    hidden, mlp, layers, small = 2048, 5504, 8, 2000
     rounds = 3
     ops = _churn_ops(0, hidden, mlp, layers, small, rounds)
     ctx.progress("pool", 1, 1, f"churn: {len(ops)} operations, hidden {hidden}, MLP {mlp}, {layers} layers, "

@@ -10,11 +10,12 @@ Note [offloaded model integration]
   Note [offloaded blocks]).
 * The conversion ``model.to()``, ``.cuda()``, ``.float()`` and Trainer's /
   accelerate's device placement run (``torch_private.module_apply``) is
-  overridden on the callers and blocks (``override_module_apply``). It first probes, for every offloaded weight below the
-  module, what ``fn`` makes of a 0-element tensor of its device dtype on the
-  ring's device. If that keeps device and dtype (``model.to(handle.device)``),
-  the offloaded weights stay on the host -- they reach the device through
-  the ring -- and everything else is converted as usual. Otherwise it raises
+  overridden on the callers and blocks (``override_module_apply``). It first
+  probes, for every offloaded weight below the module, what ``fn`` makes of a
+  0-element tensor of its device dtype on the ring's device. If that keeps
+  device and dtype (``model.to(handle.device)``), the offloaded weights stay on
+  the host -- they reach the device through the ring -- and everything else is
+  converted as usual. Otherwise it raises
   before anything changed: the weights would leave the ring's device/dtype.
 * ``copy.deepcopy`` -- ``__deepcopy__`` on the callers and blocks -- copies
   without hipferry's hooks. A copy of the model (or of a caller) is offloaded

@@ -4,4 +4,5 @@ from .disk.options import DiskOptions
 from .footprint import HOMES, HomeCost, home_cost
 from .offload_adamw import OffloadAdamW
 
-__all__ = ["OffloadAdamW", "DiskOptions", "calibrate", "cache_file", "link_gbps", "load_cached", "store_cached", "HOMES", "HomeCost", "home_cost"]
+__all__ = ["OffloadAdamW", "DiskOptions", "calibrate", "cache_file", "link_gbps", "load_cached", "store_cached",
+           "HOMES", "HomeCost", "home_cost"]

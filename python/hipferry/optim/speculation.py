@@ -30,8 +30,8 @@ Note [speculative step]
   writes through `.data` or numpy, a new tensor given the old one's address.
   (Code inside backward that writes a parameter or state tensor and writes
   the old bits back while the job reads them is not seen; autograd forbids
-  writing parameters saved for backward anyway.) Otherwise (REDO) the parameter steps as without overlap, from its untouched
-  state. Either way the result is bit-identical to overlap=None.
+  writing parameters saved for backward anyway.) Otherwise (REDO) the
+  parameter steps as without overlap, from its untouched state. Either way the result is bit-identical to overlap=None.
 * Commit: each state tensor keeps its object and takes the scratch's storage
   (Tensor.set_, no copy), unless anything else holds its storage (a view, a
   `.data` alias, a numpy array: they would go stale and see the next

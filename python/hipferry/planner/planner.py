@@ -94,7 +94,8 @@ class Plan:
                     "candidates": [c.row() for c in self.candidates]}
         gpu = self.profile.device.type == "cuda"
         m = self.machine
-        speeds = ", ".join(f"{h} {m[f'step_s_per_param[{h}]'] * 1e9:.2f}" for h in ("torch", "host-float32", "host-8bit")
+        speeds = ", ".join(f"{h} {m[f'step_s_per_param[{h}]'] * 1e9:.2f}"
+                           for h in ("torch", "host-float32", "host-8bit")
                            if f"step_s_per_param[{h}]" in m)
         lines = [f"hipferry.plan: {self.profile.numel / 1e6:.1f} M trainable parameters on "
                  f"{self.profile.device}; forward+backward {self.profile.fwd_bwd_seconds * 1e3:.0f} ms (measured)",
@@ -103,7 +104,8 @@ class Plan:
                     if "disk_read_gbps" in m else ""),
                  "budgets: " + ", ".join(f"{k} {_gb(v) if v is not None else 'not limited'}"
                                          for k, v in self.budgets.items() if gpu or k != "gpu_memory"),
-                 f"{'':2}{'state home':<14}{'host peak':>11}{'GPU peak' if gpu else '':>11}{'disk':>10}{'step':>10}  why"]
+                 f"{'':2}{'state home':<14}{'host peak':>11}{'GPU peak' if gpu else '':>11}"
+                 f"{'disk':>10}{'step':>10}  why"]
         for c in self.candidates:
             mark = "->" if c is self.chosen else "  "
             lines.append(f"{mark}{c.home:<14}{_gb(c.host_peak):>11}{_gb(c.device_peak) if gpu else '':>11}"

@@ -32,7 +32,8 @@ def test_the_sdist_carries_every_build_input_and_nothing_built(tmp_path):
     with tarfile.open(sdist) as tar:
         names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
     assert not wanted - names, f"missing from the sdist: {sorted(wanted - names)[:20]}"
-    built = [n for n in names if n.endswith(".so") or n == "python/hipferry/_build_config.py" or "/__pycache__/" in n or "/.hypothesis/" in n]
+    built = [n for n in names if n.endswith(".so") or n == "python/hipferry/_build_config.py"
+             or "/__pycache__/" in n or "/.hypothesis/" in n]
     assert not built, built
 
 

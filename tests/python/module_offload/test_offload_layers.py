@@ -35,7 +35,6 @@ def test_eval_outputs_equal(device):
     assert handle.stats()["blocks"] == 4
 
 
-
 @pytest.fixture(autouse=True)
 def every_offload_runs_from_the_ring(monkeypatch):
     """After each test: every offload still in place really ran its blocks from the
@@ -56,6 +55,7 @@ def every_offload_runs_from_the_ring(monkeypatch):
         for blk in h.blocks:
             for e in blk.entries:
                 assert e.param.device.type == "cpu" and e.param.data_ptr() == e.host_ptr, e.name
+
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_train_with_dropout_outputs_and_grads_equal(device):

@@ -151,7 +151,8 @@ def test_blocks_with_only_shared_params(pool):
         m.blocks[0].fc1.weight, m.blocks[0].fc1.bias = m.blocks[1].fc1.weight, m.blocks[1].fc1.bias
         m.blocks[0].fc2.weight, m.blocks[0].fc2.bias = m.blocks[1].fc2.weight, m.blocks[1].fc2.bias
     check_rejected(lambda: hipferry.offload_layers(model, layers=[model.blocks[0]], pool=pool, device="cpu"),
-                   ValueError, ["nothing to offload", r"shared with the rest of the model: .*blocks\.0\.fc2\.bias"], model, ref, pool)
+                   ValueError, ["nothing to offload", r"shared with the rest of the model: .*blocks\.0\.fc2\.bias"],
+                   model, ref, pool)
 
 
 def _outsider(model):

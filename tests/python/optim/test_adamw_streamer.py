@@ -111,7 +111,8 @@ def step_args(n=10, dtype=torch.float32, master=None, amsgrad=False):
 @pytest.mark.parametrize("change,match", [
     (lambda a: a.update(grads=[]), "one entry per parameter"),
     (lambda a: a.update(params=[torch.randn(10, dtype=torch.float64)]), r"params\[0\] has dtype torch.float64"),
-    (lambda a: a.update(params=[torch.randn(10).bfloat16()]), r"params\[0\] is torch.bfloat16 and needs a float32 master"),
+    (lambda a: a.update(params=[torch.randn(10).bfloat16()]),
+     r"params\[0\] is torch.bfloat16 and needs a float32 master"),
     (lambda a: a.update(masters=[torch.zeros(10)]), r"params\[0\] is torch.float32 and must not have"),
     (lambda a: a.update(exp_avgs=[torch.zeros(9)]), r"exp_avgs\[0\] must be a contiguous float32 host tensor"),
     (lambda a: a.update(exp_avg_sqs=[torch.zeros(10, dtype=torch.float16)]), r"exp_avg_sqs\[0\]"),

@@ -30,7 +30,8 @@ import torch
 from hipferry.optim import OffloadAdamW
 from hipferry.optim.int8_store import BLOCK, dequantized
 from hipferry.optim.layout import memory_flat
-from torch_optim_parity_helpers import CONFIG_DESCS, adamw_input, make_reference, slug, trajectory_grads, trajectory_params
+from torch_optim_parity_helpers import (CONFIG_DESCS, adamw_input, make_reference, slug, trajectory_grads,
+                                        trajectory_params)
 
 STEPS = 8
 

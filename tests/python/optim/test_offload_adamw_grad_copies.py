@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from conftest import requires_gpu
-from offload_adamw_helpers import SideBySide, assert_close_to_torch, backward, copy_grads, loss_of, make_model, offload_adamw
+from offload_adamw_helpers import (SideBySide, assert_close_to_torch, backward, copy_grads, loss_of, make_model,
+                                   offload_adamw)
 
 REMOTE = [pytest.param(("cpu", "cpu-remote"), id="cpu-remote"),
           pytest.param(("cuda", "cpu"), id="cuda-cpu", marks=requires_gpu)]

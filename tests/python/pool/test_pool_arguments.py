@@ -136,8 +136,8 @@ def test_reserve_over_capacity_names_the_rounded_reserve():
 
 
 def test_empty_of_a_dimension_beyond_int64_is_a_clear_error(pool):
-    with pytest.raises(ValueError, match=r"size must be at most 2\*\*63 - 1 in every dimension, got 9223372036854775808 "
-                                         r"at index 0"):
+    with pytest.raises(ValueError, match=r"size must be at most 2\*\*63 - 1 in every dimension, "
+                                         r"got 9223372036854775808 at index 0"):
         pool.empty(2**63)
     with pytest.raises(RuntimeError, match="more than 2\\^50 elements"):
         pool.empty(2**62, 4)

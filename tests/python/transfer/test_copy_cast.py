@@ -138,7 +138,8 @@ def test_cpu_large_int64_indexing():
      r"cannot convert src dtype torch.int32 to dst dtype torch.float16"),
     (lambda: (torch.zeros(4, 4), torch.ones(4, 4).t()), r"src must be contiguous"),
     (lambda: (torch.zeros(4, 4).t(), torch.ones(4, 4)), r"dst must be contiguous"),
-    (lambda: (torch.zeros(4, dtype=torch.float64), torch.ones(4)), r"cannot convert src dtype torch.float32 to dst dtype torch.float64"),
+    (lambda: (torch.zeros(4, dtype=torch.float64), torch.ones(4)),
+     r"cannot convert src dtype torch.float32 to dst dtype torch.float64"),
 ])
 def test_bad_input_is_rejected_and_dst_untouched(make, match):
     dst, src = make()

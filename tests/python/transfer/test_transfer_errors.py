@@ -199,5 +199,6 @@ def test_bad_batched_copy_environment_variable_is_a_clear_error():
                        env={**os.environ, "HIPFERRY_BATCHED_COPY": "fast"})
     assert r.returncode != 0 and "HIPFERRY_BATCHED_COPY='fast'; expected 'kernel' or 'runtime'" in r.stderr, r.stderr
     r = subprocess.run([sys.executable, "-c", code + "\nprint(hipferry.configure_transfers())"],
-                       capture_output=True, text=True, timeout=120, env={**os.environ, "HIPFERRY_BATCHED_COPY": "runtime"})
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "HIPFERRY_BATCHED_COPY": "runtime"})
     assert r.returncode == 0 and "'batched_copy': 'runtime'" in r.stdout, r.stderr

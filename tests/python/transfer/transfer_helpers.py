@@ -19,8 +19,8 @@ SOURCES = ["pageable", "pin", "pool"]
 PLAIN_DTYPES = [getattr(torch, n) for n in (
     "bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64", "complex64",
     "complex128", "uint16", "uint32", "uint64", "complex32", "float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)]
-STATS_KEYS = ("transfers", "bytes", "packed_batches", "packed_tensors", "runtime_batches", "staged_chunks", "direct_copies",
-              "pending_releases")
+STATS_KEYS = ("transfers", "bytes", "packed_batches", "packed_tensors", "runtime_batches", "staged_chunks",
+              "direct_copies", "pending_releases")
 
 
 @pytest.fixture(params=DEVICES)
