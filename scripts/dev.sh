@@ -25,7 +25,8 @@
 #                            (HIPFERRY_CCACHE=0: not), so the builds share objects.
 #   scripts/dev.sh check     the inner loop: deps, build, lint, the C++ tests but the exhaustive ones,
 #                            every Python test module once (a few minutes with a warm ccache)
-#   scripts/dev.sh lint      ruff over the Python (rules in pyproject.toml; `test` runs it first)
+#   scripts/dev.sh lint      ruff over the Python (rules in pyproject.toml) and clang-format over
+#                            the C++ (.clang-format); `test` runs it first
 #   scripts/dev.sh deps | build | older-torch | cpu-variants | check-gpu-builds | check-cpu-build | sanitize | tsan
 #                            the single steps (older-torch needs the wheel build made in dist/)
 #   scripts/dev.sh gpu-wheels  wheels of the test dependencies beyond torch (transformers, peft,
@@ -64,7 +65,7 @@ quiet_pip() { "$@" 2>&1 | { grep -v "Running pip as the 'root' user" || true; };
 
 deps() {
   step "system packages"
-  local pkgs=(cmake ninja-build googletest libgtest-dev hipcc librocprim-dev ccache liburing-dev fio)
+  local pkgs=(cmake ninja-build googletest libgtest-dev hipcc librocprim-dev ccache liburing-dev fio clang-format)
   local missing=()
   for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
   if ((${#missing[@]})); then
@@ -229,6 +230,8 @@ tsan() {
 lint() {
   step "lint: ruff over python/, tests/, examples/, scripts/ (the rules: pyproject.toml [tool.ruff])"
   $PY -m ruff check python tests examples scripts
+  step "lint: clang-format over the tracked C++ and HIP files (the style: .clang-format)"
+  git ls-files -z '*.cpp' '*.h' '*.hip' | xargs -0 clang-format --dry-run --Werror
 }
 
 # The inner loop (a few minutes with a warm ccache): build, the C++ tests but the exhaustive
