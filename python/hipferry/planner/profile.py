@@ -59,7 +59,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def profile_model(model: nn.Module, batch: Any, loss_fn: Optional[Callable] = None, runs: int = 3,
+def profile_model(model: nn.Module, batch: Any, loss_fn: Optional[Callable] = None, runs: int = 5,
                   progress: Callable[[str], None] = lambda s: None) -> ModelProfile:
     params = trainable_parameters(model)
     device = params[0].device

@@ -27,6 +27,7 @@ def mlp(width: int = 2048, depth: int = 4) -> nn.Module:
 
 
 HELD, PASS = 500 * MB, 100 * MB
+RETAINED = int(0.15 * PASS)  # allocator_retention: 15% of the pass's growth
 
 
 @pytest.fixture
@@ -149,8 +150,8 @@ def test_a_budget_below_float32_state_picks_8bit_and_says_why(fake_machine):
 
 def test_only_the_disk_fits_with_a_state_dir_and_its_window_shrinks_to_the_budget(tmp_path, fake_machine):
     ample = quiet_plan(mlp(), host_memory="64GiB", state_dir=str(tmp_path / "s"))
-    assert _peaks(ample)["host-8bit"] > HELD + PASS + 105 * MB  # (the 8-bit state, 34 MB, and the margin)
-    budget = HELD + PASS + 100 * MB  # a shrunk window fits, the 8-bit state in RAM does not
+    assert _peaks(ample)["host-8bit"] > HELD + PASS + RETAINED + 105 * MB  # (the 8-bit state, 34 MB, and the margin)
+    budget = HELD + PASS + RETAINED + 100 * MB  # a shrunk window fits, the 8-bit state in RAM does not
     p = quiet_plan(mlp(), host_memory=budget, state_dir=str(tmp_path / "s"))
     assert p.home == "disk-8bit"
     chosen = p.chosen
@@ -180,3 +181,15 @@ def test_homes_restricts_the_candidates(fake_machine):
     p = quiet_plan(mlp(), host_memory="64GiB", homes=["host-float32", "host-8bit"])
     assert [c.home for c in p.candidates] == ["host-float32", "host-8bit"]
     assert p.home == "host-float32"  # the fake machine: float32 state steps twice as fast
+
+
+def test_the_host_peak_adds_what_the_allocator_keeps_beyond_the_pass(fake_machine):
+    """pass + state + RETAINED_FRACTION of the pass; on a GPU model nothing is added."""
+    p = quiet_plan(mlp(), host_memory="64GiB")
+    host = {c.home: c for c in p.candidates}["host-float32"]
+    state = 2 * 4 * sum(q.numel() for q in mlp().parameters())  # m and v in float32 (float32 parameters: no master)
+    assert planner_mod.RETAINED_FRACTION == 0.15
+    assert host.host_peak == HELD + PASS + RETAINED + state and host.parts["allocator_bytes"] == RETAINED
+    prof = planner_mod.ModelProfile(device=torch.device("cuda"), trainable=[(1 << 20, torch.float32)], frozen_bytes=0,
+                                    fwd_bwd_seconds=0.1, pass_host_bytes=PASS)
+    assert planner_mod.allocator_retention(prof) == 0

@@ -1,0 +1,33 @@
+"""`python -m hipferry bench plan --quick`: the planner's validation suite end to end
+(every home run for real in a process of its own, set beside its prediction; the
+choice set beside the others). The figures themselves are the full suite's
+(docs/measurements.md); here: that every part is measured and reported."""
+import json
+import os
+import subprocess
+import sys
+
+from hipferry.optim import HOMES
+
+
+def test_the_quick_validation_runs_every_home_and_reports_each_target(tmp_path):
+    env = {**os.environ, "HIPFERRY_CACHE_DIR": str(tmp_path / "cache")}
+    r = subprocess.run([sys.executable, "-m", "hipferry", "bench", "plan", "--quick", "--out", str(tmp_path / "out"),
+                        "--disk-dir", str(tmp_path)], capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"[plan] {len(HOMES)}/{len(HOMES)} llama-2m, state {HOMES[-1]}" in r.stderr  # progress
+    assert "1,000 steps write" not in r.stderr, "the machine's measurement gives no wear warning"
+    doc = json.loads((tmp_path / "out" / "plan.json").read_text())
+    rows = {row["home"]: row for row in doc["rows"]}
+    assert sorted(rows) == sorted(HOMES)
+    for row in rows.values():
+        assert row["predicted growth (MB)"] > 0 and row["measured growth (MB)"] > 0
+        assert 0 < row["predicted step (s)"] and 0 < row["measured step (s)"]
+        assert row["memory ok"] == (abs(row["memory error"]) <= 0.10)
+    notes = doc["notes"]
+    assert any(n.startswith("the Llama table: target memory within 10%") for n in notes)
+    assert any(n.startswith("the Llama table: target step time within 25%") for n in notes)
+    choices = [n for n in notes if n.startswith("choice: ")]
+    assert choices and all("chosen" in n for n in choices)
+    assert (tmp_path / "out" / "plan.png").read_bytes()[:4] == b"\x89PNG"
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("hipferry-plan-")], "its state folders are removed"
