@@ -38,15 +38,9 @@ __device__ void convert_range(const DeviceJob& j, std::int64_t begin, std::int64
 template <class From>
 __device__ void convert_from(const DeviceJob& j, std::int64_t begin, std::int64_t end) {
   switch (static_cast<ElementType>(j.dst_type)) {
-    case ElementType::kFloat32:
-      convert_range<From, Float32>(j, begin, end);
-      break;
-    case ElementType::kFloat16:
-      convert_range<From, Float16>(j, begin, end);
-      break;
-    case ElementType::kBFloat16:
-      convert_range<From, BFloat16>(j, begin, end);
-      break;
+    case ElementType::kFloat32: convert_range<From, Float32>(j, begin, end); break;
+    case ElementType::kFloat16: convert_range<From, Float16>(j, begin, end); break;
+    case ElementType::kBFloat16: convert_range<From, BFloat16>(j, begin, end); break;
   }
 }
 
@@ -73,15 +67,9 @@ __global__ void batched_copy_kernel(const DeviceJob* __restrict__ jobs, int n_jo
       for (std::int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) dst[i] = src[i];
     } else {
       switch (static_cast<ElementType>(j.src_type)) {
-        case ElementType::kFloat32:
-          convert_from<Float32>(j, begin, end);
-          break;
-        case ElementType::kFloat16:
-          convert_from<Float16>(j, begin, end);
-          break;
-        case ElementType::kBFloat16:
-          convert_from<BFloat16>(j, begin, end);
-          break;
+        case ElementType::kFloat32: convert_from<Float32>(j, begin, end); break;
+        case ElementType::kFloat16: convert_from<Float16>(j, begin, end); break;
+        case ElementType::kBFloat16: convert_from<BFloat16>(j, begin, end); break;
       }
     }
   }

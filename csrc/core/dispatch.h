@@ -11,12 +11,9 @@ namespace hipferry {
 template <class Fn>
 decltype(auto) dispatch_element_type(ElementType t, Fn&& fn) {
   switch (t) {
-    case ElementType::kFloat32:
-      return fn(Float32{});
-    case ElementType::kFloat16:
-      return fn(Float16{});
-    case ElementType::kBFloat16:
-      break;
+    case ElementType::kFloat32: return fn(Float32{});
+    case ElementType::kFloat16: return fn(Float16{});
+    case ElementType::kBFloat16: break;
   }
   return fn(BFloat16{});
 }

@@ -93,29 +93,14 @@ std::string device_name(const Device& d) {
   if (d.type() == DeviceType::CPU) return "cpu";
   std::string name;
   switch (d.type()) {
-    case DeviceType::CUDA:
-      name = "cuda";
-      break;
-    case DeviceType::HIP:
-      name = "hip";
-      break;
-    case DeviceType::Meta:
-      name = "meta";
-      break;
-    case DeviceType::MPS:
-      name = "mps";
-      break;
-    case DeviceType::XPU:
-      name = "xpu";
-      break;
-    case DeviceType::MTIA:
-      name = "mtia";
-      break;
-    case DeviceType::PrivateUse1:
-      name = "privateuseone";
-      break;
-    default:
-      name = "device type " + std::to_string(static_cast<int>(d.type()));
+    case DeviceType::CUDA: name = "cuda"; break;
+    case DeviceType::HIP: name = "hip"; break;
+    case DeviceType::Meta: name = "meta"; break;
+    case DeviceType::MPS: name = "mps"; break;
+    case DeviceType::XPU: name = "xpu"; break;
+    case DeviceType::MTIA: name = "mtia"; break;
+    case DeviceType::PrivateUse1: name = "privateuseone"; break;
+    default: name = "device type " + std::to_string(static_cast<int>(d.type()));
   }
   if (d.index() >= 0) name += ":" + std::to_string(static_cast<int>(d.index()));
   return name;
@@ -133,14 +118,10 @@ Device parse_device(const std::string& text, const char* what) {
 
 ElementType element_type_of(const Tensor& t) {
   switch (t.scalar_type()) {
-    case ScalarType::Float:
-      return ElementType::kFloat32;
-    case ScalarType::Half:
-      return ElementType::kFloat16;
-    case ScalarType::BFloat16:
-      return ElementType::kBFloat16;
-    default:
-      HF_CHECK(false, "hipferry: internal error, no element type for ", dtype_name(t.scalar_type()));
+    case ScalarType::Float: return ElementType::kFloat32;
+    case ScalarType::Half: return ElementType::kFloat16;
+    case ScalarType::BFloat16: return ElementType::kBFloat16;
+    default: HF_CHECK(false, "hipferry: internal error, no element type for ", dtype_name(t.scalar_type()));
   }
 }
 

@@ -167,12 +167,9 @@ void init_tensor_bridge() { (void)bridge(); }
 
 std::string tensor_bridge_kind() {
   switch (bridge().kind) {
-    case BridgeKind::kShim:
-      return "pyobject shim";
-    case BridgeKind::kThpVariable213:
-      return "torch 2.13 THPVariable";
-    case BridgeKind::kStashOp:
-      break;
+    case BridgeKind::kShim: return "pyobject shim";
+    case BridgeKind::kThpVariable213: return "torch 2.13 THPVariable";
+    case BridgeKind::kStashOp: break;
   }
   return "stash op";
 }

@@ -19,24 +19,15 @@ using Layout = torch::headeronly::Layout;
 // "Sparse", as c10 prints a layout (the stable headers have no operator<<).
 const char* layout_name(Layout l) {
   switch (l) {
-    case Layout::Strided:
-      return "Strided";
-    case Layout::Sparse:
-      return "Sparse";
-    case Layout::SparseCsr:
-      return "SparseCsr";
-    case Layout::SparseCsc:
-      return "SparseCsc";
-    case Layout::SparseBsr:
-      return "SparseBsr";
-    case Layout::SparseBsc:
-      return "SparseBsc";
-    case Layout::Mkldnn:
-      return "Mkldnn";
-    case Layout::Jagged:
-      return "Jagged";
-    default:
-      return "(unknown)";
+    case Layout::Strided: return "Strided";
+    case Layout::Sparse: return "Sparse";
+    case Layout::SparseCsr: return "SparseCsr";
+    case Layout::SparseCsc: return "SparseCsc";
+    case Layout::SparseBsr: return "SparseBsr";
+    case Layout::SparseBsc: return "SparseBsc";
+    case Layout::Mkldnn: return "Mkldnn";
+    case Layout::Jagged: return "Jagged";
+    default: return "(unknown)";
   }
 }
 

@@ -30,12 +30,9 @@ enum class AddressOrder {
 
 inline const char* to_string(AddressOrder order) {
   switch (order) {
-    case AddressOrder::kAscending:
-      return "ascending";
-    case AddressOrder::kDescending:
-      return "descending";
-    default:
-      return "shuffled";
+    case AddressOrder::kAscending: return "ascending";
+    case AddressOrder::kDescending: return "descending";
+    default: return "shuffled";
   }
 }
 
@@ -59,12 +56,8 @@ class AddressOnlyProvider : public HostMemoryProvider {
     if (allocated_ + 1 >= kSlots) throw std::runtime_error("AddressOnlyProvider: out of slots");
     std::uint64_t slot = 0;
     switch (order_) {
-      case AddressOrder::kAscending:
-        slot = allocated_ + 1;
-        break;
-      case AddressOrder::kDescending:
-        slot = kSlots - 1 - allocated_;
-        break;
+      case AddressOrder::kAscending: slot = allocated_ + 1; break;
+      case AddressOrder::kDescending: slot = kSlots - 1 - allocated_; break;
       case AddressOrder::kShuffled:
         do slot = rng_() % kSlots;
         while (!used_slots_.insert(slot).second);

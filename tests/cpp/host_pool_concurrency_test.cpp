@@ -76,18 +76,13 @@ void run_threads(PoolOptions options, int workers, int ops_per_worker, std::uint
       const StreamUse s = FakeStreams::stream(static_cast<int>(rng() % kStreams));
       f.streams->advance(s, 1 + rng() % 4);
       switch (rng() % 8) {
-        case 0:
-          f.pool->trim();
-          break;
-        case 1:
-          try {
-            f.pool->check_invariants();
+        case 0: f.pool->trim(); break;
+        case 1: try { f.pool->check_invariants();
           } catch (const std::exception& e) {
             fail(e.what());
           }
           break;
-        default:
-          f.pool->process_events();
+        default: f.pool->process_events();
       }
       if (f.pool->stats().reserved_bytes > options.capacity) fail("reserved more than the capacity");
       std::this_thread::yield();

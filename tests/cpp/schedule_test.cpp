@@ -65,14 +65,10 @@ enum class RingKind { kCorrect, kNoAcquireWait, kNoPassWait, kReleasedAtFill };
 
 std::unique_ptr<SlotRing> make_ring(RingKind kind, std::size_t slots) {
   switch (kind) {
-    case RingKind::kNoAcquireWait:
-      return std::make_unique<RingWithoutAcquireWait>(slots);
-    case RingKind::kNoPassWait:
-      return std::make_unique<RingWithoutPassWait>(slots);
-    case RingKind::kReleasedAtFill:
-      return std::make_unique<RingReleasedAtFill>(slots);
-    default:
-      return std::make_unique<SlotRing>(slots);
+    case RingKind::kNoAcquireWait: return std::make_unique<RingWithoutAcquireWait>(slots);
+    case RingKind::kNoPassWait: return std::make_unique<RingWithoutPassWait>(slots);
+    case RingKind::kReleasedAtFill: return std::make_unique<RingReleasedAtFill>(slots);
+    default: return std::make_unique<SlotRing>(slots);
   }
 }
 

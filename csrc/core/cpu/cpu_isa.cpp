@@ -7,12 +7,9 @@ namespace hipferry::cpu {
 
 const char* isa_name(Isa isa) {
   switch (isa) {
-    case Isa::kAvx512:
-      return "avx512";
-    case Isa::kAvx2:
-      return "avx2";
-    default:
-      return "baseline";
+    case Isa::kAvx512: return "avx512";
+    case Isa::kAvx2: return "avx2";
+    default: return "baseline";
   }
 }
 

@@ -111,18 +111,10 @@ class Pass {
     auto* buf = static_cast<std::uint8_t*>(buffer);
     if (c_.kind == PassKind::kStep || c_.kind == PassKind::kRead) verify(r, p, buf, SIZE_MAX);
     switch (c_.kind) {
-      case PassKind::kStep:
-        step(r, p, buf);
-        break;
-      case PassKind::kFill:
-        fill(r, p, buf);
-        break;
-      case PassKind::kLoad:
-        load(r, p, buf);
-        break;
-      case PassKind::kRead:
-        read_out(r, p, buf);
-        return;
+      case PassKind::kStep: step(r, p, buf); break;
+      case PassKind::kFill: fill(r, p, buf); break;
+      case PassKind::kLoad: load(r, p, buf); break;
+      case PassKind::kRead: read_out(r, p, buf); return;
     }
     for (std::size_t a = 0; a < arrays_.size(); ++a) {
       const std::uint64_t used = array_bytes(arrays_[a], r.numel);

@@ -74,12 +74,9 @@ HostPool::~HostPool() {
 
 HostPool::FreeSet& HostPool::free_set(SegmentKind kind) {
   switch (kind) {
-    case SegmentKind::kSmall:
-      return free_small_;
-    case SegmentKind::kReserve:
-      return free_reserve_;
-    default:
-      return free_large_;
+    case SegmentKind::kSmall: return free_small_;
+    case SegmentKind::kReserve: return free_reserve_;
+    default: return free_large_;
   }
 }
 
