@@ -136,13 +136,7 @@ void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg, 
     check_inputs({&param_in, &exp_avg_in, &exp_avg_sq_in, &max_exp_avg_sq_in},
                  {&param, &exp_avg, &exp_avg_sq, &max_exp_avg_sq, &param_out}, param, amsgrad);
   }
-  const optim::AdamWHyper h{.lr = lr,
-                            .beta1 = beta1,
-                            .beta2 = beta2,
-                            .eps = eps,
-                            .weight_decay = weight_decay,
-                            .amsgrad = amsgrad,
-                            .maximize = maximize};
+  const optim::AdamWHyper h{lr, beta1, beta2, eps, weight_decay, amsgrad, maximize};
   run_adamw(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, param_out, step, h, param_in, exp_avg_in, exp_avg_sq_in,
             max_exp_avg_sq_in, adopt_out);
 }

@@ -186,13 +186,7 @@ void bind_adamw_streamer(py::module_& m) {
                 ps.push_back(StreamedParam{params[i], grads[i], present(masters[i]), exp_avgs[i], exp_avg_sqs[i],
                                            present(maxes[i])});
               }
-              const optim::AdamWHyper h{.lr = lr,
-                                        .beta1 = beta1,
-                                        .beta2 = beta2,
-                                        .eps = eps,
-                                        .weight_decay = weight_decay,
-                                        .amsgrad = amsgrad,
-                                        .maximize = maximize};
+              const optim::AdamWHyper h{lr, beta1, beta2, eps, weight_decay, amsgrad, maximize};
               py::gil_scoped_release no_gil;
               self.step(ps, optim::adamw_scalars(h, step));
             });

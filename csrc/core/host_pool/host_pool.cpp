@@ -87,15 +87,18 @@ int HostPool::node_of_device(int device) const {
   return options_.numa_node;
 }
 
+HostPool::LiveMap::const_iterator HostPool::live_block(const void* host, const char* not_live) const {
+  auto it = live_.find(const_cast<void*>(host));
+  if (it == live_.end()) throw PoolError(not_live);
+  return it;
+}
+
 int HostPool::node_of_block(const void* host) const {
   std::lock_guard<std::mutex> lock(mutex_);
-  auto it = live_.find(const_cast<void*>(host));
-  if (it == live_.end()) {
-    throw PoolError(
-        "hipferry pinned pool: node_of_block of an address that is not a live block of this pool; "
-        "expected memory allocated by this pool and not yet freed");
-  }
-  return it->second->segment->node;
+  return live_block(host,
+                    "hipferry pinned pool: node_of_block of an address that is not a live block of this pool; "
+                    "expected memory allocated by this pool and not yet freed")
+      ->second->segment->node;
 }
 
 std::size_t HostPool::head_bytes(const Block* b, std::size_t alignment) {
@@ -196,13 +199,10 @@ HostPool::Request HostPool::make_request(std::size_t bytes, int device, std::siz
 
 void HostPool::record_use(void* host, StreamUse use) {
   std::lock_guard<std::mutex> lock(mutex_);
-  auto it = live_.find(host);
-  if (it == live_.end()) {
-    throw PoolError(
-        "hipferry pinned pool: record_use on an address that is not a live block of this pool; "
-        "expected memory allocated by this pool and not yet freed");
-  }
-  auto& uses = it->second->uses;
+  auto& uses = live_block(host,
+                          "hipferry pinned pool: record_use on an address that is not a live block of this pool; "
+                          "expected memory allocated by this pool and not yet freed")
+                   ->second->uses;
   for (const StreamUse& u : uses) {
     if (u == use) return;
   }
@@ -215,12 +215,9 @@ void HostPool::deallocate(void* host) {
   Block* b = nullptr;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    auto it = live_.find(host);
-    if (it == live_.end()) {
-      throw PoolError(
-          "hipferry pinned pool: deallocate of an address that is not a live block of this pool "
-          "(freed twice, or not from this pool)");
-    }
+    const auto it = live_block(host,
+                               "hipferry pinned pool: deallocate of an address that is not a live block of this pool "
+                               "(freed twice, or not from this pool)");
     b = it->second;
     live_.erase(it);
     stats_.requested_bytes -= b->requested;

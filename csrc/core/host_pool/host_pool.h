@@ -323,6 +323,9 @@ class HostPool {
   PollResult poll_events(SegmentList& to_release, bool wait);
   // poll_events(wait=true); false when there was nothing to wait for.
   bool wait_for_waiting_blocks();
+  using LiveMap = std::unordered_map<void*, Block*>;
+  // The live block at `host`, else PoolError(not_live). mutex_ held.
+  LiveMap::const_iterator live_block(const void* host, const char* not_live) const;
 
   // Fixed at construction; no lock needed.
   const PoolOptions options_;
@@ -331,13 +334,13 @@ class HostPool {
 
   mutable std::mutex mutex_;
   // --- guarded by mutex_ ---
-  FreeSet free_small_;                      // free blocks of small segments, per node
-  FreeSet free_large_;                      // free blocks of large and own segments, per node
-  FreeSet free_reserve_;                    // free blocks of the reserve (every size class)
-  std::unordered_map<void*, Block*> live_;  // live blocks by host address
-  std::vector<Waiting> waiting_;            // parked blocks with their events
-  std::size_t waiting_in_flight_ = 0;       // waiting blocks taken out of waiting_ to be polled
-  std::uint64_t completions_ = 0;           // waiting blocks freed so far (lets allocate see progress)
+  FreeSet free_small_;                 // free blocks of small segments, per node
+  FreeSet free_large_;                 // free blocks of large and own segments, per node
+  FreeSet free_reserve_;               // free blocks of the reserve (every size class)
+  LiveMap live_;                       // live blocks by host address
+  std::vector<Waiting> waiting_;       // parked blocks with their events
+  std::size_t waiting_in_flight_ = 0;  // waiting blocks taken out of waiting_ to be polled
+  std::uint64_t completions_ = 0;      // waiting blocks freed so far (lets allocate see progress)
   std::vector<std::unique_ptr<Segment>> segments_;
   std::size_t pending_bytes_ = 0;     // capacity set aside for provider allocations in progress
   std::size_t fully_free_bytes_ = 0;  // bytes in non-reserve segments that are one free block
