@@ -9,6 +9,7 @@ filesystem the folder is on; refresh=True measures again."""
 import logging
 import os
 import platform
+import shutil
 import tempfile
 import time
 from typing import Callable, Dict, Optional
@@ -96,10 +97,13 @@ def interleaved_steps(homes, rounds: int = 3, repeats: int = 2, state_dir: Optio
             progress(f"  AdamW step, state {home} (round {r + 1}/{rounds})")
             where = os.path.join(state_dir, f"{home}-{r}") if state_dir is not None else None
             best[home] = min(best[home], step_seconds_per_param(home, repeats, where, numel))
+            if where is not None:  # (this round's state files: 0.4 GB for float32; one round's at a time)
+                shutil.rmtree(where, ignore_errors=True)
     return {f"step_s_per_param[{home}]": s for home, s in best.items()}
 
 
-def disk_speeds(folder: str, nbytes: int = _DISK_BYTES, repeats: int = 2, step_numel: int = _STEP_NUMEL) -> dict:
+def disk_speeds(folder: str, nbytes: int = _DISK_BYTES, repeats: int = 2, step_numel: int = _STEP_NUMEL,
+                rounds: int = 3) -> dict:
     """Sequential write (with its flush) and read of `nbytes` in `folder`, by the
     optimizer's own I/O queue, best of `repeats`; one flush's latency; and the AdamW
     step with the state in files there, float32 and 8-bit."""
@@ -112,7 +116,7 @@ def disk_speeds(folder: str, nbytes: int = _DISK_BYTES, repeats: int = 2, step_n
             direct = io.direct
         finally:
             io.close()
-        steps = interleaved_steps(("disk-float32", "disk-8bit"), state_dir=tmp, numel=step_numel)
+        steps = interleaved_steps(("disk-float32", "disk-8bit"), rounds=rounds, state_dir=tmp, numel=step_numel)
     return {"disk_read_gbps": nbytes / read / 1e9, "disk_write_gbps": nbytes / write / 1e9,
             "disk_flush_seconds": flush, "disk_direct_io": direct, **steps}
 
@@ -138,13 +142,14 @@ def _cached(key: str, refresh: bool, measure: Callable[[], dict], progress: Call
 
 
 def measure_machine(device: torch.device, state_dir: Optional[str] = None, *, refresh: bool = False,
-                    progress: Callable[[str], None] = lambda s: None) -> dict:
-    """Every speed the planner uses; see the module doc."""
+                    progress: Callable[[str], None] = lambda s: None, rounds: int = 3) -> dict:
+    """Every speed the planner uses; see the module doc. `rounds`: of the step speeds
+    (interleaved_steps; 1 for a smoke run such as `bench plan --quick`)."""
     key = machine_key(device)
 
     def cpu() -> dict:
         out = {"dram_triad_gbps": triad_gbps()}
-        out.update(interleaved_steps(("torch", "host-float32", "host-8bit"), progress=progress))
+        out.update(interleaved_steps(("torch", "host-float32", "host-8bit"), rounds=rounds, progress=progress))
         if device.type == "cuda":
             out["link_h2d_gbps"], out["link_d2h_gbps"] = link_gbps(device)
         return out
@@ -152,6 +157,6 @@ def measure_machine(device: torch.device, state_dir: Optional[str] = None, *, re
     result = _cached(key, refresh, cpu, progress, "this machine's memory, AdamW step and link speeds")
     if state_dir is not None:
         disk_key = f"{key}|{_filesystem_key(state_dir)}"
-        result.update(_cached(disk_key, refresh, lambda: disk_speeds(state_dir), progress,
+        result.update(_cached(disk_key, refresh, lambda: disk_speeds(state_dir, rounds=rounds), progress,
                               f"the disk under {state_dir}"))
     return result

@@ -64,7 +64,7 @@ def test_the_machine_is_measured_once_and_cached(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(machine, "triad_gbps", lambda: calls.append("triad") or 10.0)
     monkeypatch.setattr(machine, "step_seconds_per_param", lambda home, *a: calls.append(home) or 1e-9)
-    monkeypatch.setattr(machine, "disk_speeds", lambda folder: calls.append("disk") or {"disk_read_gbps": 1.0})
+    monkeypatch.setattr(machine, "disk_speeds", lambda folder, **kw: calls.append("disk") or {"disk_read_gbps": 1.0})
     said = []
     first = machine.measure_machine(torch.device("cpu"), str(tmp_path), progress=said.append)
     ram = ["torch", "host-float32", "host-8bit"] * 3  # in turns, three rounds (interleaved_steps)
@@ -93,6 +93,21 @@ def test_step_speeds_are_measured_in_turns_and_each_keeps_its_best(monkeypatch):
     got = machine.interleaved_steps(("a", "b"), rounds=3)
     assert calls == ["a", "b"] * 3
     assert got == {"step_s_per_param[a]": 2e-9, "step_s_per_param[b]": 3e-9}
+
+
+def test_disk_step_speeds_keep_one_rounds_state_files_at_a_time(tmp_path, monkeypatch):
+    seen = []
+
+    def step(home, repeats, state_dir, numel):
+        os.makedirs(state_dir)
+        with open(os.path.join(state_dir, "state.bin"), "wb") as f:
+            f.write(b"x" * 4096)
+        seen.append(sorted(os.listdir(tmp_path)))
+        return 1e-9
+    monkeypatch.setattr(machine, "step_seconds_per_param", step)
+    machine.interleaved_steps(("disk-float32", "disk-8bit"), rounds=2, state_dir=str(tmp_path))
+    assert seen == [["disk-float32-0"], ["disk-8bit-0"], ["disk-float32-1"], ["disk-8bit-1"]]
+    assert os.listdir(tmp_path) == []
 
 
 def test_disk_speeds_are_measured_in_the_folder_and_leave_nothing(tmp_path, caplog):
