@@ -114,14 +114,14 @@ def plan_suite(ctx: Context) -> SuiteResult:
         measure_machine(device, folder, refresh=True, rounds=1 if ctx.quick else 3)
         rows, choice_rows, i = [], [], 0
         for size, (family, hidden, layers, vocab, batch, tokens) in sizes.items():
+            model_spec = {"family": family, "hidden": hidden, "layers": layers, "vocab": vocab, "batch": batch,
+                          "seq": tokens, "steps": steps, "device": ctx.device}
             runs = {}
             for home in HOMES:
                 i += 1
                 ctx.progress("plan", i, len(sizes) * len(HOMES), f"{size}, state {home}: plan, then {steps} steps")
                 state_dir = os.path.join(folder, f"{size}-{home}")
-                out = _child({"family": family, "hidden": hidden, "layers": layers, "vocab": vocab, "batch": batch,
-                              "seq": tokens, "home": home, "state_dir": state_dir, "steps": steps,
-                              "device": ctx.device})
+                out = _child({**model_spec, "home": home, "state_dir": state_dir})
                 pred = next(c for c in out["candidates"] if c["home"] == home)
                 measured_step = statistics.median(out["step_times"][1:])
                 growth_pred = pred["host_peak_bytes"] - out["held_bytes"]
@@ -142,9 +142,7 @@ def plan_suite(ctx: Context) -> SuiteResult:
                 choice_rows += _choice_rows(size, runs, folder)
                 ctx.progress("plan", i, len(sizes) * len(HOMES), f"{size}: the choice when only the disk fits")
                 choice_rows.append(_disk_only_row(size, runs, {
-                    "family": family, "hidden": hidden, "layers": layers, "vocab": vocab, "batch": batch,
-                    "seq": tokens, "state_dir": os.path.join(folder, f"{size}-disk-only"), "steps": steps,
-                    "device": ctx.device}))
+                    **model_spec, "state_dir": os.path.join(folder, f"{size}-disk-only")}))
     notes = [f"peak resident growth: {out['measured_by']}, from the RSS before plan() to the peak of the steps; "
              f"step: median of steps 2..{steps} (forward, backward, step, zero_grad), a process per run",
              "the choice: for each budget and set of allowed homes, the planner picks from its predictions; "

@@ -17,7 +17,7 @@ from typing import List, Tuple
 import torch
 
 from .. import _C
-from .disk.options import QUANTUM, DiskOptions
+from .disk.options import DiskOptions, quantum_up
 from .disk.store import window_size
 from .int8_store import MIN_8BIT_NUMEL
 
@@ -64,10 +64,6 @@ def home_cost(home: str, trainable: List[Tuple[int, torch.dtype]], on_gpu: bool,
     return HomeCost(_window_touched(home, trainable, amsgrad, disk), disk_bytes=2 * slot, disk_step_bytes=slot)
 
 
-def _quantum_up(n: int) -> int:
-    return max(QUANTUM, -(-n // QUANTUM) * QUANTUM)
-
-
 def _window_touched(home: str, trainable: List[Tuple[int, torch.dtype]], amsgrad: bool, disk: DiskOptions) -> int:
     """The bytes of the window that passes touch (resident memory counts touched pages):
     each format's pass (store.by_format) cuts the window into buffers for its own longest
@@ -79,7 +75,7 @@ def _window_touched(home: str, trainable: List[Tuple[int, torch.dtype]], amsgrad
         group = [n for n, _ in trainable if _fmt(home, n) == fmt]
         if not group:
             continue
-        each = _C._disk_chunk_buffer_bytes(fmt, amsgrad, _quantum_up(max(min(n, disk.chunk_numel) for n in group)))
+        each = _C._disk_chunk_buffer_bytes(fmt, amsgrad, quantum_up(max(min(n, disk.chunk_numel) for n in group)))
         buffers = window // each
         i = 0
         for n in group:

@@ -4,6 +4,11 @@ from dataclasses import dataclass
 QUANTUM = 1 << 18  # chunk_numel's unit (kChunkQuantum: every chunk of every array starts on a page)
 
 
+def quantum_up(numel: int) -> int:
+    """numel rounded up to whole QUANTUMs (at least one): the chunk a buffer is sized for."""
+    return max(QUANTUM, -(-numel // QUANTUM) * QUANTUM)
+
+
 @dataclass(frozen=True)
 class DiskOptions:
     """OffloadAdamW(state_dir=..., disk=DiskOptions(...)).

@@ -19,7 +19,7 @@ from ..layout import memory_flat
 from ..slots import step_dtype
 from .journal import FolderLock, Journal
 from .layout import Manifest, arrays_of, file_name, first_mismatch
-from .options import QUANTUM, DiskOptions
+from .options import DiskOptions, quantum_up
 
 log = logging.getLogger("hipferry.optim")
 PAGE = 4096
@@ -322,7 +322,7 @@ def window_size(numels: List[int], chunk_numel: int, window_bytes: int) -> int:
     format, as many as fit in window_bytes, and no more than the state has chunks (the
     planner's estimate, optim/footprint.py, asks the same)."""
     longest = max(min(n, chunk_numel) for n in numels)
-    buf = _C._disk_chunk_buffer_bytes("float32", True, -(-longest // QUANTUM) * QUANTUM)
+    buf = _C._disk_chunk_buffer_bytes("float32", True, quantum_up(longest))
     chunks = sum(-(-n // chunk_numel) for n in numels)
     return max(1, min(window_bytes // buf, chunks)) * buf
 
