@@ -49,16 +49,19 @@ def run(spec: dict) -> dict:
     budget = spec.get("host_memory")
     try:
         p = plan(model, batch=batch, state_dir=spec["state_dir"], host_memory=budget or 1 << 50,
-                 disk_budget=1 << 50, verbose=False)
+                 gpu_memory=spec.get("gpu_memory"), disk_budget=1 << 50, verbose=False)
     except PlanError as e:
         return {"home": None, "plan_error": str(e), "held_bytes": held}
-    applied = p.apply(model, home=spec["home"], lr=1e-4)
+    applied = p.apply(model, home=spec.get("home"), lr=1e-4)
     opt = applied.optimizer
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    r = run_steps(model, batch, opt, spec["steps"])
+    r = run_steps(model, batch, opt, spec["steps"], context=applied.activations)
     device_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
-    return {"home": applied.home, "params": p.profile.numel, "pass_host_bytes": p.profile.pass_host_bytes,
+    chosen = p.chosen if spec.get("home") is None else next(c for c in p.candidates if c.home == applied.home
+                                                         and c.placement == applied.placement)
+    return {"home": applied.home, "placement": chosen.label, "chosen": chosen.row(), "params": p.profile.numel,
+            "pass_host_bytes": p.profile.pass_host_bytes,
             "held_bytes": held, "peak_bytes": r.peak_bytes, "measured_growth": r.peak_bytes - held,
             "measured_by": r.measured_by, "device_peak_bytes": device_peak, "step_times": r.step_seconds,
             "losses": r.losses, "candidates": p.explain(as_dict=True)["candidates"],

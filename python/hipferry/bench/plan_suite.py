@@ -99,6 +99,22 @@ def _disk_only_row(size: str, runs: dict, spec: dict) -> dict:
             "ok": out["home"].startswith("disk") and out["peak_bytes"] <= budget}
 
 
+def _gpu_budget_row(size: str, runs: dict, spec: dict) -> dict:
+    """On a GPU: a device budget 60% of what everything resident needs; the planner streams
+    blocks or offloads activations (placement.py) to fit, and the choice runs."""
+    budget = int(runs["torch"]["predicted"]["device_peak_bytes"] * 0.6)
+    out = _child({**spec, "home": None, "gpu_memory": budget})
+    row = {"model": size, "host budget": f"GPU {budget / 1e9:.2f} GB", "homes": "all homes"}
+    if out["home"] is None:
+        return {**row, "chosen": "none fits", "ok": False, "why": out["plan_error"][-300:]}
+    pred, measured = out["chosen"], statistics.median(out["step_times"][1:])
+    return {**row, "chosen": out["placement"], "predicted GPU peak GB": pred["device_peak_bytes"] / 1e9,
+            "measured GPU peak GB": out["device_peak_bytes"] / 1e9,
+            "GPU memory error": pred["device_peak_bytes"] / out["device_peak_bytes"] - 1,
+            "time error": pred["step_seconds"] / measured - 1,
+            "ok": out["device_peak_bytes"] <= budget and abs(pred["step_seconds"] / measured - 1) <= TIME_TOL}
+
+
 @suite("plan")
 def plan_suite(ctx: Context) -> SuiteResult:
     import torch
@@ -143,6 +159,9 @@ def plan_suite(ctx: Context) -> SuiteResult:
                 ctx.progress("plan", i, len(sizes) * len(HOMES), f"{size}: the choice when only the disk fits")
                 choice_rows.append(_disk_only_row(size, runs, {
                     **model_spec, "state_dir": os.path.join(folder, f"{size}-disk-only")}))
+                if ctx.device == "cuda":
+                    choice_rows.append(_gpu_budget_row(size, runs, {
+                        **model_spec, "state_dir": os.path.join(folder, f"{size}-gpu-budget")}))
     notes = [f"peak resident growth: {out['measured_by']}, from the RSS before plan() to the peak of the steps; "
              f"step: median of steps 2..{steps} (forward, backward, step, zero_grad), a process per run",
              "the choice: for each budget and set of allowed homes, the planner picks from its predictions; "

@@ -57,6 +57,20 @@ from .saved_hooks import Passed, current_hooks
 API = "hipferry.offload_activations"
 
 
+DEFAULT_MIN_BYTES, DEFAULT_MAX_IN_FLIGHT = 1 << 20, 256 << 20
+
+
+def keep_reason(t: torch.Tensor, min_bytes: int) -> Optional[str]:
+    """Why a saved tensor stays where it is (the counter it goes to), or None: it is offloaded."""
+    if isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad) or isinstance(tensor_base(t), nn.Parameter):
+        return "kept_params"
+    if type(t) is not torch.Tensor or t.layout != torch.strided or t.device.type not in ("cuda", "cpu"):
+        return "kept_other"
+    if t.numel() == 0 or t.numel() * t.element_size() < min_bytes:
+        return "kept_small"
+    return None
+
+
 class NothingOffloadedWarning(UserWarning):
     """An ``offload_activations`` block saved tensors but offloaded none: all
     were under ``min_bytes``."""
@@ -133,7 +147,7 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):
     under it.
     """
 
-    def __init__(self, *, min_bytes: Any = 1 << 20, max_in_flight: Any = 256 << 20,
+    def __init__(self, *, min_bytes: Any = DEFAULT_MIN_BYTES, max_in_flight: Any = DEFAULT_MAX_IN_FLIGHT,
                  pool: Optional[PinnedPool] = None):
         for name, v in (("min_bytes", min_bytes), ("max_in_flight", max_in_flight)):
             if isinstance(v, bool) or not isinstance(v, (int, str)):
@@ -204,13 +218,7 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):
 
     # ------------------------------------------------------------ forward
     def _keep_reason(self, t: torch.Tensor) -> Optional[str]:
-        if isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad) or isinstance(tensor_base(t), nn.Parameter):
-            return "kept_params"
-        if type(t) is not torch.Tensor or t.layout != torch.strided or t.device.type not in ("cuda", "cpu"):
-            return "kept_other"
-        if t.numel() == 0 or t.numel() * t.element_size() < self.min_bytes:
-            return "kept_small"
-        return None
+        return keep_reason(t, self.min_bytes)
 
     def _pack(self, outer: Any, t: torch.Tensor) -> Any:
         """`outer`: the hooks in effect when this pack hook's `with` began."""

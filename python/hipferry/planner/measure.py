@@ -1,5 +1,6 @@
 """What a plan's training steps measure: step times, losses and the peak resident
 memory, to set beside the prediction (examples/fit_finetune.py, bench plan)."""
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass
@@ -26,17 +27,19 @@ class StepRecord:
 
 
 def run_steps(model: nn.Module, batch: Any, optimizer: torch.optim.Optimizer, steps: int,
-              loss_fn: Optional[Callable] = None, on_step: Callable[[int, float, float], None] = lambda *a: None
-              ) -> StepRecord:
+              loss_fn: Optional[Callable] = None, on_step: Callable[[int, float, float], None] = lambda *a: None,
+              context: Any = None) -> StepRecord:
     """`steps` training steps (forward, backward, step, zero_grad) on `batch`;
-    on_step(i, loss, seconds) after each."""
+    on_step(i, loss, seconds) after each. `context`: a context manager each forward and
+    backward runs in (Applied.activations)."""
     loss_fn = loss_fn or default_loss
     high = HighWater()
     times, losses = [], []
     for i in range(steps):
         t0 = time.perf_counter()
-        loss = loss_fn(model, batch)
-        loss.backward()
+        with context if context is not None else contextlib.nullcontext():
+            loss = loss_fn(model, batch)
+            loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())  # (synchronizes a GPU)

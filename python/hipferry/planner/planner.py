@@ -5,12 +5,14 @@ Peak memory of a step = what the process holds now + the pass's measured growth
 (activations, gradients, temporaries) + what the state's home keeps resident.
 Step time = the measured pass + the state's step: parameters x the measured
 seconds per parameter of that home, and for a disk home at least its bytes
-over the measured read and write speeds, plus two flushes."""
+over the measured read and write speeds, plus two flushes. On a GPU whose
+budget is short, each home is also tried with blocks streamed and activations
+offloaded (placement.py)."""
 import os
 import shutil
 import sys
-from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Dict, List, Optional
+from dataclasses import replace
+from typing import Any, Callable, List, Optional
 
 import torch
 from torch import nn
@@ -20,11 +22,16 @@ from ..optim import HOMES, DiskOptions, home_cost
 from ..optim.disk import QUANTUM
 from ..pool_args import parse_bytes
 from .machine import measure_machine
+from .placement import Placement, placement_cost, placements
 from .profile import ModelProfile, profile_model, trainable_parameters
+from .result import Applied, Candidate, Plan, gb
 from .rss import rss_bytes
 
-# A home is taken over nothing offloaded ("torch") only when predicted this much faster:
-# below it the difference is within what the estimate can tell (docs/planner.md).
+__all__ = ["plan", "choose", "PlanError", "Plan", "Candidate", "Applied"]
+
+# A candidate that offloads more (the state, blocks, activations) is taken over one that
+# offloads less only when predicted this much faster: below it the difference is within
+# what the estimate can tell (docs/planner.md).
 PREFER_PLAIN_WITHIN = 0.10
 # A home fits when its estimated peak plus a margin fits: HOST_MARGIN of the growth, plus
 # HOST_SLACK, for the spread the estimate cannot tell (what the C allocator keeps differs
@@ -49,110 +56,6 @@ def allocator_retention(prof: ModelProfile) -> int:
 
 class PlanError(ValueError):
     """No placement fits; the message names the smallest budget that would work."""
-
-
-@dataclass
-class Candidate:
-    home: str
-    host_peak: int          # bytes the process will hold at its peak
-    device_peak: int        # bytes of GPU memory at the peak (0 on the CPU)
-    disk_bytes: int
-    step_seconds: float
-    parts: Dict[str, float] = field(default_factory=dict)
-    host_margin: int = 0    # what the fit test adds to host_peak (HOST_MARGIN, HOST_SLACK)
-    fits: bool = False
-    why: str = ""
-
-    @property
-    def host_need(self) -> int:
-        return self.host_peak + self.host_margin
-
-    def row(self) -> dict:
-        return {"home": self.home, "fits": self.fits, "host_peak_bytes": self.host_peak,
-                "host_margin_bytes": self.host_margin,
-                "device_peak_bytes": self.device_peak, "disk_bytes": self.disk_bytes,
-                "step_seconds": self.step_seconds, "parts": dict(self.parts), "why": self.why}
-
-
-@dataclass
-class Applied:
-    optimizer: torch.optim.Optimizer
-    home: str
-
-
-def _gb(n: float) -> str:
-    """Bytes in GB to the MB: budgets quoted back must be precise enough to use."""
-    return f"{n / 1e9:.3f} GB"
-
-
-class Plan:
-    """What plan() found: the candidates, the chosen one, and how to build it."""
-
-    def __init__(self, candidates: List[Candidate], chosen: Candidate, budgets: dict, machine: dict,
-                 profile: ModelProfile, state_dir: Optional[str], disk: DiskOptions):
-        self.candidates, self.chosen, self.budgets = candidates, chosen, budgets
-        self.machine, self.profile, self.state_dir, self.disk = machine, profile, state_dir, disk
-
-    @property
-    def home(self) -> str:
-        return self.chosen.home
-
-    def explain(self, as_dict: bool = False):
-        """The table of candidates (text), or with as_dict=True everything as a dict."""
-        if as_dict:
-            return {"chosen": self.chosen.home, "budgets": dict(self.budgets), "machine": dict(self.machine),
-                    "model": {"trainable_params": self.profile.numel, "device": str(self.profile.device),
-                              "fwd_bwd_seconds": self.profile.fwd_bwd_seconds,
-                              "pass_host_bytes": self.profile.pass_host_bytes,
-                              "pass_device_bytes": self.profile.pass_device_bytes},
-                    "candidates": [c.row() for c in self.candidates]}
-        gpu = self.profile.device.type == "cuda"
-        m = self.machine
-        speeds = ", ".join(f"{h} {m[f'step_s_per_param[{h}]'] * 1e9:.2f}"
-                           for h in ("torch", "host-float32", "host-8bit")
-                           if f"step_s_per_param[{h}]" in m)
-        lines = [f"hipferry.plan: {self.profile.numel / 1e6:.1f} M trainable parameters on "
-                 f"{self.profile.device}; forward+backward {self.profile.fwd_bwd_seconds * 1e3:.0f} ms (measured)",
-                 f"machine (measured {m.get('measured', 'now')}): AdamW step ns/param: {speeds}"
-                 + (f"; disk read {m['disk_read_gbps']:.2f} GB/s, write {m['disk_write_gbps']:.2f} GB/s"
-                    if "disk_read_gbps" in m else ""),
-                 "budgets: " + ", ".join(f"{k} {_gb(v) if v is not None else 'not limited'}"
-                                         for k, v in self.budgets.items() if gpu or k != "gpu_memory"),
-                 f"{'':2}{'state home':<14}{'host peak':>11}{'GPU peak' if gpu else '':>11}"
-                 f"{'disk':>10}{'step':>10}  why"]
-        for c in self.candidates:
-            mark = "->" if c is self.chosen else "  "
-            lines.append(f"{mark}{c.home:<14}{_gb(c.host_peak):>11}{_gb(c.device_peak) if gpu else '':>11}"
-                         f"{_gb(c.disk_bytes):>10}{c.step_seconds:>9.3f}s  {c.why}")
-        return "\n".join(lines)
-
-    def __repr__(self) -> str:
-        return self.explain()
-
-    def apply(self, model: nn.Module, *, home: Optional[str] = None, **optimizer_kwargs: Any) -> Applied:
-        """The optimizer of the chosen home (or of `home`, another candidate that fits)
-        over the model's trainable parameters (optimizer_kwargs: lr, betas,
-        weight_decay, ... as torch.optim.AdamW takes)."""
-        from ..optim import OffloadAdamW
-        if home is not None:
-            fitting = [c.home for c in self.candidates if c.fits]
-            if home not in fitting:
-                raise ValueError(f"Plan.apply: home must be one of the candidates that fit, {fitting}, got {home!r}")
-        params = trainable_parameters(model)
-        if not params:
-            raise ValueError("Plan.apply: the model has no trainable parameters")
-        home = home or self.chosen.home
-        if home == "torch":
-            fused = params[0].device.type in ("cpu", "cuda") and "foreach" not in optimizer_kwargs
-            opt = torch.optim.AdamW(params, **({"fused": True} if fused else {}), **optimizer_kwargs)
-        else:
-            dtype = torch.uint8 if home.endswith("8bit") else torch.float32
-            parts = next(c for c in self.candidates if c.home == home).parts
-            disk = replace(self.disk, window_bytes=int(parts["window_bytes"]), chunk_numel=int(parts["chunk_numel"])) \
-                if "window_bytes" in parts else self.disk
-            extra = {"state_dir": self.state_dir, "disk": disk} if home.startswith("disk") else {}
-            opt = OffloadAdamW(params, state_dtype=dtype, **extra, **optimizer_kwargs)
-        return Applied(optimizer=opt, home=home)
 
 
 def _check_budget(value: Any, name: str) -> Optional[int]:
@@ -188,7 +91,8 @@ def _available_host() -> int:
         return 0
 
 
-def _estimate(home: str, prof: ModelProfile, machine: dict, held: int, amsgrad: bool, disk: DiskOptions) -> Candidate:
+def _estimate(home: str, prof: ModelProfile, machine: dict, held: int, amsgrad: bool, disk: DiskOptions,
+              placement: Placement = Placement()) -> Candidate:
     on_gpu = prof.device.type == "cuda"
     cost = home_cost(home, prof.trainable, on_gpu, amsgrad, disk)
     n = prof.numel
@@ -196,8 +100,16 @@ def _estimate(home: str, prof: ModelProfile, machine: dict, held: int, amsgrad: 
     key = f"step_s_per_param[{home}]"
     step = n * machine[key if key in machine else f"step_s_per_param[host-{home.split('-')[1]}]"]
     parts = {"fwd_bwd": prof.fwd_bwd_seconds, "state_step": step}
-    if on_gpu and home != "torch":  # gradients down and parameters up, beside the host step
-        link = sum(c * 4 for c, _ in prof.trainable) / (min(machine["link_h2d_gbps"], machine["link_d2h_gbps"]) * 1e9)
+    fwd_bwd, saved, added, resident = prof.fwd_bwd_seconds, 0, 0, 1.0
+    if on_gpu:
+        pc = placement_cost(prof, placement, machine["link_h2d_gbps"], machine["link_d2h_gbps"])
+        trainable = sum(c * d.itemsize for c, d in prof.trainable)
+        saved, added, resident = pc.device_saved, pc.host_added, pc.resident_trainable_bytes / max(1, trainable)
+        if placement.offloads:
+            parts.update(fwd_bwd_with_copies=pc.pass_seconds, copies=pc.copy_seconds)
+            fwd_bwd = pc.pass_seconds
+    if on_gpu and home != "torch":  # the device's gradients down and parameters up, beside the host step
+        link = resident * n * 4 / (min(machine["link_h2d_gbps"], machine["link_d2h_gbps"]) * 1e9)
         parts["link"] = link
         step = max(step, link)
     if home.startswith("disk") and "disk_read_gbps" in machine:  # the I/O alone, for the table
@@ -207,11 +119,12 @@ def _estimate(home: str, prof: ModelProfile, machine: dict, held: int, amsgrad: 
     retained = allocator_retention(prof)
     if retained:
         parts["allocator_bytes"] = retained
-    host = held + prof.pass_host_bytes + retained + (cost.resident_bytes if cost.where == "host" else 0)
-    device = (prof.pass_device_bytes + (cost.resident_bytes if cost.where == "device" else 0)
-              + (torch.cuda.memory_allocated(prof.device) if on_gpu else 0))
-    return Candidate(home, host, device, cost.disk_bytes, prof.fwd_bwd_seconds + step, parts,
-                     host_margin=int(HOST_MARGIN * (host - held)) + HOST_SLACK)
+    host = held + prof.pass_host_bytes + retained + (cost.resident_bytes if cost.where == "host" else 0) + added
+    device = (prof.device_held + prof.pass_device_bytes + (cost.resident_bytes if cost.where == "device" else 0)
+              - saved) if on_gpu else 0
+    return Candidate(home, host, device, cost.disk_bytes, fwd_bwd + step, parts,
+                     host_margin=int(HOST_MARGIN * (host - held)) + HOST_SLACK, placement=placement,
+                     blocks=len(prof.blocks))
 
 
 def _disk_fitted(c: Candidate, budgets: dict, prof: ModelProfile, machine: dict, held: int, amsgrad: bool,
@@ -228,7 +141,7 @@ def _disk_fitted(c: Candidate, budgets: dict, prof: ModelProfile, machine: dict,
         buf = _C._disk_chunk_buffer_bytes("float32", True, chunk)
         for buffers in range(min(disk.window_bytes // buf, 4096), 1, -1):
             option = replace(disk, window_bytes=buffers * buf, chunk_numel=chunk)
-            smaller = _estimate(c.home, prof, machine, held, amsgrad, option)
+            smaller = _estimate(c.home, prof, machine, held, amsgrad, option, c.placement)
             smaller.parts.update(window_bytes=option.window_bytes, chunk_numel=chunk)
             if smaller.host_need <= have:
                 return smaller
@@ -239,7 +152,7 @@ def _disk_fitted(c: Candidate, budgets: dict, prof: ModelProfile, machine: dict,
 def choose(cands: List[Candidate], budgets: dict, state_dir: Optional[str]) -> Optional[Candidate]:
     """Marks each candidate as fitting the budgets or not (with why) and returns the chosen one, or None."""
     for c in cands:
-        over = [f"{k} {_gb(need)} > {_gb(have)}" for k, need, have in
+        over = [f"{k} {gb(need)} > {gb(have)}" for k, need, have in
                 (("host", c.host_need, budgets["host_memory"]), ("GPU", c.device_peak, budgets["gpu_memory"]),
                  ("disk", c.disk_bytes, budgets["disk"])) if have is not None and need > have]
         if c.home.startswith("disk") and state_dir is None:
@@ -248,18 +161,19 @@ def choose(cands: List[Candidate], budgets: dict, state_dir: Optional[str]) -> O
     fitting = [c for c in cands if c.fits]
     if not fitting:
         return None
+    # The fastest, unless one that offloads less is within PREFER_PLAIN_WITHIN of it.
     fastest = min(fitting, key=lambda c: c.step_seconds)
-    plain = next((c for c in fitting if c.home == "torch"), None)
-    chosen = plain if plain is not None and fastest.step_seconds >= plain.step_seconds * (1 - PREFER_PLAIN_WITHIN) \
-        else fastest
+    near = [c for c in fitting if fastest.step_seconds >= c.step_seconds * (1 - PREFER_PLAIN_WITHIN)]
+    chosen = min(near, key=lambda c: (c.offloads, c.step_seconds))
     for c in fitting:
         slower = c.step_seconds / chosen.step_seconds - 1
         if c is chosen:
-            c.why = "chosen: " + ("nothing needs offloading" if c.home == "torch" else "the fastest that fits")
-        elif c.home == "torch":
-            c.why = f"fits; {chosen.home} is predicted {-slower:.0%} faster"
+            c.why = "chosen: " + ("nothing needs offloading" if c.offloads == 0 else "the fastest that fits"
+                                  if c is fastest else "within 10% of the fastest, offloading less")
+        elif c.offloads < chosen.offloads:
+            c.why = f"fits; {chosen.label} is predicted {-slower:.0%} faster"
         else:
-            c.why = f"fits, predicted {slower:+.0%} time" + ("; nothing needs offloading" if chosen.home == "torch"
+            c.why = f"fits, predicted {slower:+.0%} time" + ("; nothing needs offloading" if chosen.offloads == 0
                                                                else "")
     for c in cands:
         if "window_bytes" in c.parts:
@@ -273,10 +187,14 @@ def _no_fit_message(cands: List[Candidate], budgets: dict, state_dir: Optional[s
         return all(have is None or need <= have for need, have in
                    ((c.device_peak, budgets["gpu_memory"]), (c.disk_bytes, budgets["disk"])))
     usable = [c for c in cands if others_fit(c) and (state_dir is not None or not c.home.startswith("disk"))]
-    text = "hipferry.plan: no placement fits: " + "; ".join(f"{c.home} {c.why[len('refused: '):]}" for c in cands)
+    text = "hipferry.plan: no placement fits: " + "; ".join(f"{c.label} {c.why[len('refused: '):]}" for c in cands)
     if usable:
         best = min(usable, key=lambda c: c.host_need)
-        text += f". The smallest host_memory that works is {_gb(best.host_need)}, with the state in {best.home}"
+        text += f". The smallest host_memory that works is {gb(best.host_need)}, with the state in {best.label}"
+    gpu = budgets["gpu_memory"]
+    if gpu is not None and all(c.device_peak > gpu for c in cands):
+        least = min(cands, key=lambda c: c.device_peak)
+        text += f". The smallest gpu_memory that works is {gb(least.device_peak)}, with {least.label}"
     if state_dir is None:
         text += "; a state_dir= on a disk would let the state leave RAM (homes disk-float32, disk-8bit)"
     return text
@@ -334,8 +252,13 @@ def plan(model: nn.Module, *, batch: Any, optimizer: str = "adamw", gpu_memory: 
     held = max(0, rss_bytes())
     machine = measure_machine(device, state_dir, refresh=refresh, progress=progress)
     prof = profile_model(model, batch, loss_fn, progress=progress)
-    cands = [_disk_fitted(_estimate(h, prof, machine, held, amsgrad, disk), budgets, prof, machine, held, amsgrad,
-                          disk) for h in HOMES if h in homes]
+    cands = []
+    for h in (h for h in HOMES if h in homes):
+        def device_need(placement: Placement, h=h) -> int:
+            return _estimate(h, prof, machine, held, amsgrad, disk, placement).device_peak
+        for placement in placements(prof, h, budgets["gpu_memory"], device_need):
+            cands.append(_disk_fitted(_estimate(h, prof, machine, held, amsgrad, disk, placement), budgets, prof,
+                                      machine, held, amsgrad, disk))
     chosen = choose(cands, budgets, state_dir)
     if chosen is None:
         raise PlanError(_no_fit_message(cands, budgets, state_dir))

@@ -1,8 +1,9 @@
-"""What the planner measures of the model: its parameters, and one forward and
-backward on the user's batch (time, and the memory that pass needs on top of
-what the process held: activations, gradients, temporaries).
+"""What the planner measures of the model: its parameters and blocks, and forward
+and backward passes on the user's batch (time, the memory a pass needs on top of
+what the process held: activations, gradients, temporaries, and the saved
+activations that offload_activations would take).
 
-The pass leaves the model as it was: gradients, RNG state and mode are put back."""
+The passes leave the model as they found it: gradients, RNG state and mode are put back."""
 import gc
 import time
 from dataclasses import dataclass, field
@@ -11,7 +12,16 @@ from typing import Any, Callable, List, Optional
 import torch
 from torch import nn
 
+from ..module_offload import DEFAULT_MIN_BYTES, default_layers, keep_reason, plan_blocks
 from .rss import HighWater
+
+
+@dataclass(frozen=True)
+class BlockSize:
+    """One of the model's blocks as offload_layers lays it out (block_layout.plan_blocks)."""
+    host_bytes: int       # its own weights, streamed through the ring when offloaded
+    slot_bytes: int       # one ring slot holding it
+    trainable_bytes: int  # its weights that train: their gradients go to the host when streamed
 
 
 @dataclass
@@ -24,6 +34,9 @@ class ModelProfile:
     pass_host_bytes: int = 0        # peak RSS growth over one pass (gradients included)
     pass_device_bytes: int = 0      # on a GPU: peak allocated growth over one pass
     host_measured_by: str = ""
+    blocks: List[BlockSize] = field(default_factory=list)  # offload_layers' default blocks, in order
+    saved_bytes: int = 0            # saved activations of one forward that offload_activations would take
+    device_held: int = 0            # on a GPU: bytes allocated before the passes (the model, and the rest)
 
     @property
     def numel(self) -> int:
@@ -54,6 +67,34 @@ def trainable_parameters(model: nn.Module) -> List[nn.Parameter]:
     return out
 
 
+def block_sizes(model: nn.Module) -> List[BlockSize]:
+    """The blocks offload_layers would stream by default (none when the model has no
+    list of repeated blocks)."""
+    try:
+        blocks, _ = plan_blocks(model, default_layers(model), None)
+    except ValueError:
+        return []
+    return [BlockSize(b.host_bytes, b.slot_bytes,
+                      sum(e.numel * e.host_dtype.itemsize for e in b.entries if e.param.requires_grad))
+            for b in blocks]
+
+
+class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
+    """Counts the bytes of the tensors one forward saves for backward that
+    offload_activations would move (the same rule: not parameters, min_bytes and up),
+    each tensor once."""
+
+    def __init__(self, min_bytes: int = DEFAULT_MIN_BYTES):
+        self.total, self._seen = 0, set()
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if id(t) not in self._seen and keep_reason(t, min_bytes) is None:
+                self._seen.add(id(t))
+                self.total += t.numel() * t.element_size()
+            return t
+        super().__init__(pack, lambda t: t)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -74,15 +115,23 @@ def profile_model(model: nn.Module, batch: Any, loss_fn: Optional[Callable] = No
             p.grad = None
         gc.collect()
         high = HighWater()
+        dev_before = 0
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
             dev_before = torch.cuda.memory_allocated(device)
+        saved = SavedBytes()
         for r in range(runs + 1):
             progress(f"forward and backward {r + 1}/{runs + 1} on the batch"
                      f"{' (warm-up)' if r == 0 else ''}")
             _sync(device)
             t0 = time.perf_counter()
-            loss_fn(model, batch).backward()
+            if r == 0:  # the warm-up also counts what forward saves (the hooks pass tensors through)
+                with saved:
+                    loss = loss_fn(model, batch)
+            else:
+                loss = loss_fn(model, batch)
+            loss.backward()
+            del loss
             _sync(device)
             if r:
                 times.append(time.perf_counter() - t0)
@@ -99,4 +148,5 @@ def profile_model(model: nn.Module, batch: Any, loss_fn: Optional[Callable] = No
     times.sort()
     return ModelProfile(device=device, trainable=[(p.numel(), p.dtype) for p in params], frozen_bytes=frozen,
                         fwd_bwd_seconds=times[len(times) // 2], fwd_bwd_runs=times, pass_host_bytes=host_bytes,
-                        pass_device_bytes=dev_bytes, host_measured_by=how)
+                        pass_device_bytes=dev_bytes, host_measured_by=how, blocks=block_sizes(model),
+                        saved_bytes=saved.total, device_held=dev_before)
