@@ -14,6 +14,7 @@
 #include "csrc/torch/current_stream.h"
 #include "csrc/torch/python_errors.h"
 #include "csrc/torch/tensor_bridge.h"
+#include "hip/adamw8bit_kernel.h"
 #include "hip/adamw_kernel.h"
 #include "hip/gpu_stream.h"
 #include "hip/trace_session.h"
@@ -29,11 +30,12 @@ std::unique_ptr<schedule::Stream> copy_stream(int device, const char* direction)
   return std::make_unique<gpu::GpuStream>(device, "gpu:" + std::to_string(device) + " adamw " + direction + " stream");
 }
 
-void check_host_state(const Tensor& t, const char* name, std::size_t index, std::int64_t numel) {
-  HF_CHECK_VALUE(t.is_cpu() && t.scalar_type() == ScalarType::Float && t.is_contiguous() && t.numel() == numel,
-                 "AdamWStreamer.step: ", name, "[", index, "] must be a contiguous float32 host tensor with ", numel,
-                 " elements; got ", dtype_name(t.scalar_type()), " on ", device_name(t.device()), " with ", t.numel(),
-                 " elements");
+void check_host_state(const Tensor& t, const char* name, std::size_t index, std::int64_t numel,
+                      ScalarType dtype = ScalarType::Float) {
+  HF_CHECK_VALUE(t.is_cpu() && t.scalar_type() == dtype && t.is_contiguous() && t.numel() == numel,
+                 "AdamWStreamer.step: ", name, "[", index, "] must be a contiguous ", dtype_name(dtype).substr(6),
+                 " host tensor with ", numel, " elements; got ", dtype_name(t.scalar_type()), " on ",
+                 device_name(t.device()), " with ", t.numel(), " elements");
 }
 
 void check_param(const StreamedParam& p, std::size_t i, int device, bool amsgrad) {
@@ -53,11 +55,23 @@ void check_param(const StreamedParam& p, std::size_t i, int device, bool amsgrad
                  "AdamWStreamer.step: grads[", i, "] must be a contiguous float tensor on ",
                  device_name(param.device()), " with ", param.numel(), " elements");
   if (p.master) check_host_state(*p.master, "masters", i, param.numel());
-  check_host_state(p.exp_avg, "exp_avgs", i, param.numel());
-  check_host_state(p.exp_avg_sq, "exp_avg_sqs", i, param.numel());
+  const bool q8 = p.exp_avg_absmax.has_value();
+  HF_CHECK_VALUE(q8 == p.exp_avg_sq_absmax.has_value() && (!q8 || amsgrad == p.max_exp_avg_sq_absmax.has_value()) &&
+                     (q8 || !p.max_exp_avg_sq_absmax.has_value()),
+                 "AdamWStreamer.step: parameter ", i,
+                 " has the scales of some of its moments but not all (8-bit "
+                 "state needs exp_avg_absmaxes, exp_avg_sq_absmaxes and, with amsgrad, max_exp_avg_sq_absmaxes)");
+  const ScalarType moments = q8 ? ScalarType::Byte : ScalarType::Float;
+  const std::int64_t blocks = (param.numel() + 255) / 256;
+  check_host_state(p.exp_avg, "exp_avgs", i, param.numel(), moments);
+  check_host_state(p.exp_avg_sq, "exp_avg_sqs", i, param.numel(), moments);
   HF_CHECK_VALUE(amsgrad == p.max_exp_avg_sq.has_value(), "AdamWStreamer.step: max_exp_avg_sqs[", i, "] ",
                  amsgrad ? "is needed with amsgrad" : "must be None without amsgrad");
-  if (p.max_exp_avg_sq) check_host_state(*p.max_exp_avg_sq, "max_exp_avg_sqs", i, param.numel());
+  if (p.max_exp_avg_sq) check_host_state(*p.max_exp_avg_sq, "max_exp_avg_sqs", i, param.numel(), moments);
+  if (!q8) return;
+  check_host_state(*p.exp_avg_absmax, "exp_avg_absmaxes", i, blocks);
+  check_host_state(*p.exp_avg_sq_absmax, "exp_avg_sq_absmaxes", i, blocks);
+  if (amsgrad) check_host_state(*p.max_exp_avg_sq_absmax, "max_exp_avg_sq_absmaxes", i, blocks);
 }
 
 }  // namespace
@@ -90,14 +104,14 @@ void AdamWStreamer::synchronize() {
   in_flight_.clear();
 }
 
-bool AdamWStreamer::ensure_ring(int arrays_per_slot) {
-  if (ring_.defined() && arrays_per_slot <= arrays_per_slot_) return false;
+bool AdamWStreamer::ensure_ring(std::size_t slot_bytes) {
+  if (ring_.defined() && slot_bytes <= slot_bytes_) return false;
   synchronize();     // the old ring may still be read or written by the last step
   ring_ = Tensor();  // the old ring goes back before the new one is allocated
   const Device where = device_ >= 0 ? cuda_device(device_) : Device(DeviceType::CPU);
-  const std::int64_t numel = std::int64_t{slots_} * arrays_per_slot * chunk_numel_;
-  ring_ = torch::stable::empty({numel}, ScalarType::Float, std::nullopt, where);
-  arrays_per_slot_ = arrays_per_slot;
+  const auto bytes = static_cast<std::int64_t>(slots_) * static_cast<std::int64_t>(slot_bytes);
+  ring_ = torch::stable::empty({bytes}, ScalarType::Byte, std::nullopt, where);
+  slot_bytes_ = slot_bytes;
   return true;
 }
 
@@ -113,15 +127,31 @@ void AdamWStreamer::step(const std::vector<StreamedParam>& params, const optim::
     a.grad = p.grad.const_data_ptr();
     a.grad_type = element_type_of(p.grad);
     a.master = p.master ? p.master->mutable_data_ptr<float>() : nullptr;
-    a.exp_avg = p.exp_avg.mutable_data_ptr<float>();
-    a.exp_avg_sq = p.exp_avg_sq.mutable_data_ptr<float>();
-    a.max_exp_avg_sq = p.max_exp_avg_sq ? p.max_exp_avg_sq->mutable_data_ptr<float>() : nullptr;
+    a.quant8 = p.exp_avg_absmax.has_value();
+    if (a.quant8) {
+      a.exp_avg8 = {p.exp_avg.mutable_data_ptr<std::uint8_t>(), p.exp_avg_absmax->mutable_data_ptr<float>()};
+      a.exp_avg_sq8 = {p.exp_avg_sq.mutable_data_ptr<std::uint8_t>(), p.exp_avg_sq_absmax->mutable_data_ptr<float>()};
+      if (p.max_exp_avg_sq) {
+        a.max_exp_avg_sq8 = {p.max_exp_avg_sq->mutable_data_ptr<std::uint8_t>(),
+                             p.max_exp_avg_sq_absmax->mutable_data_ptr<float>()};
+      }
+    } else {
+      a.exp_avg = p.exp_avg.mutable_data_ptr<float>();
+      a.exp_avg_sq = p.exp_avg_sq.mutable_data_ptr<float>();
+      a.max_exp_avg_sq = p.max_exp_avg_sq ? p.max_exp_avg_sq->mutable_data_ptr<float>() : nullptr;
+    }
     arrays.push_back(a);
   }
   const bool host = device_ < 0;
   std::optional<rt::DeviceGuard> guard;
   if (!host) guard.emplace(device_);
-  const bool fresh = ensure_ring(optim::adamw_arrays_per_slot(arrays, s.amsgrad));
+  for (const optim::StreamedArrays& a : arrays) {
+    HF_CHECK_VALUE(!a.quant8 || chunk_numel_ % 256 == 0,
+                   "AdamWStreamer.step: 8-bit state streams in whole blocks "
+                   "of 256 elements; this streamer's chunk_numel is ",
+                   chunk_numel_);
+  }
+  const bool fresh = ensure_ring(optim::adamw_slot_bytes(arrays, s.amsgrad, chunk_numel_));
   // The kernel runs where the gradient was produced and the next forward reads the parameter.
   std::unique_ptr<schedule::Stream> compute;
   if (host) {
@@ -132,14 +162,19 @@ void AdamWStreamer::step(const std::vector<StreamedParam>& params, const optim::
   }
   for (const StreamedParam& p : params) {
     for (const auto* t : {&p.exp_avg, &p.exp_avg_sq}) in_flight_.push_back(*t);
-    if (p.master) in_flight_.push_back(*p.master);
-    if (p.max_exp_avg_sq) in_flight_.push_back(*p.max_exp_avg_sq);
+    for (const auto* t :
+         {&p.master, &p.max_exp_avg_sq, &p.exp_avg_absmax, &p.exp_avg_sq_absmax, &p.max_exp_avg_sq_absmax}) {
+      if (t->has_value()) in_flight_.push_back(**t);
+    }
   }
   const int device = device_;
-  pipeline_.step(arrays, s, optim::AdamWStreams{*in_, *compute, *out_}, ring_.mutable_data_ptr<float>(),
-                 arrays_per_slot_, fresh,
-                 [device](const optim::AdamWArrays& a, const optim::AdamWScalars& sc, std::int64_t n,
-                          schedule::NativeStream stream) { gpu::launch_adamw(a, sc, n, stream, device); });
+  optim::AdamWLaunchers launch;
+  launch.float32 = [device](const optim::AdamWArrays& a, const optim::AdamWScalars& sc, std::int64_t n,
+                            schedule::NativeStream stream) { gpu::launch_adamw(a, sc, n, stream, device); };
+  launch.quant8 = [device](const optim::AdamW8bitArrays& a, const optim::AdamWScalars& sc, std::int64_t n,
+                           schedule::NativeStream stream) { gpu::launch_adamw8bit(a, sc, n, stream, device); };
+  pipeline_.step(arrays, s, optim::AdamWStreams{*in_, *compute, *out_}, ring_.mutable_data_ptr(), slot_bytes_, fresh,
+                 launch);
 }
 
 void bind_adamw_streamer(py::module_& m) {
@@ -160,7 +195,8 @@ void bind_adamw_streamer(py::module_& m) {
           "step",
           [](AdamWStreamer& self, py::object params_in, py::object grads_in, py::object masters_in,
              py::object exp_avgs_in, py::object exp_avg_sqs_in, py::object maxes_in, std::int64_t step, double lr,
-             double beta1, double beta2, double eps, double weight_decay, bool amsgrad, bool maximize) {
+             double beta1, double beta2, double eps, double weight_decay, bool amsgrad, bool maximize,
+             py::object m_scales_in, py::object v_scales_in, py::object max_scales_in) {
             translate_errors([&] {
               // Converted with the GIL; every tensor here dies after it is taken back (declared before no_gil).
               const std::vector<Tensor> params = tensors_from_python(params_in, "AdamWStreamer.step: params");
@@ -172,8 +208,17 @@ void bind_adamw_streamer(py::module_& m) {
               const std::vector<Tensor> maxes =
                   tensors_from_python(maxes_in, "AdamWStreamer.step: max_exp_avg_sqs", true);
               const std::size_t n = params.size();
+              // The scales of 8-bit moments: a list with None for float32 moments, or None for all.
+              const auto scales = [n](py::object in, const char* name) {
+                return in.is_none() ? std::vector<Tensor>(n) : tensors_from_python(in, name, true);
+              };
+              const std::vector<Tensor> m_scales = scales(m_scales_in, "AdamWStreamer.step: exp_avg_absmaxes");
+              const std::vector<Tensor> v_scales = scales(v_scales_in, "AdamWStreamer.step: exp_avg_sq_absmaxes");
+              const std::vector<Tensor> max_scales =
+                  scales(max_scales_in, "AdamWStreamer.step: max_exp_avg_sq_absmaxes");
               HF_CHECK_VALUE(grads.size() == n && masters.size() == n && exp_avgs.size() == n &&
-                                 exp_avg_sqs.size() == n && maxes.size() == n,
+                                 exp_avg_sqs.size() == n && maxes.size() == n && m_scales.size() == n &&
+                                 v_scales.size() == n && max_scales.size() == n,
                              "AdamWStreamer.step: every list must have one entry per parameter (", n, ")");
               HF_CHECK_VALUE(step >= 1, "AdamWStreamer.step: step must be >= 1, got ", step);
               // None (an undefined tensor) is an absent master / max_exp_avg_sq.
@@ -184,7 +229,8 @@ void bind_adamw_streamer(py::module_& m) {
               ps.reserve(n);
               for (std::size_t i = 0; i < n; ++i) {
                 ps.push_back(StreamedParam{params[i], grads[i], present(masters[i]), exp_avgs[i], exp_avg_sqs[i],
-                                           present(maxes[i])});
+                                           present(maxes[i]), present(m_scales[i]), present(v_scales[i]),
+                                           present(max_scales[i])});
               }
               const optim::AdamWHyper h{lr, beta1, beta2, eps, weight_decay, amsgrad, maximize};
               py::gil_scoped_release no_gil;
@@ -193,7 +239,9 @@ void bind_adamw_streamer(py::module_& m) {
           },
           py::arg("params"), py::arg("grads"), py::arg("masters"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"),
           py::arg("max_exp_avg_sqs"), py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
-          py::arg("eps"), py::arg("weight_decay"), py::arg("amsgrad"), py::arg("maximize"))
+          py::arg("eps"), py::arg("weight_decay"), py::arg("amsgrad"), py::arg("maximize"),
+          py::arg("exp_avg_absmaxes") = py::none(), py::arg("exp_avg_sq_absmaxes") = py::none(),
+          py::arg("max_exp_avg_sq_absmaxes") = py::none())
       .def("synchronize",
            [](AdamWStreamer& self) {
              translate_errors([&] {

@@ -26,7 +26,8 @@
 namespace hipferry {
 
 // One parameter's tensors for a streamed step. `param` and `grad` are on the
-// device; the state is float32 on the host, contiguous, with param's numel.
+// device; the state is on the host, contiguous, with param's numel: float32 moments,
+// or 8-bit ones (uint8 codes, and float32 scales, one per block of 256: quant8.h).
 struct StreamedParam {
   Tensor param;                  // float32 (updated in place) or float16/bfloat16 (written from the master)
   Tensor grad;                   // float32, float16 or bfloat16, on param's device
@@ -34,6 +35,9 @@ struct StreamedParam {
   Tensor exp_avg;
   Tensor exp_avg_sq;
   std::optional<Tensor> max_exp_avg_sq;  // amsgrad only
+  // 8-bit moments: the scales of exp_avg, exp_avg_sq (and max_exp_avg_sq), whose codes
+  // are then uint8; all present or all absent (float32 moments).
+  std::optional<Tensor> exp_avg_absmax, exp_avg_sq_absmax, max_exp_avg_sq_absmax;
 };
 
 class AdamWStreamer {
@@ -55,16 +59,16 @@ class AdamWStreamer {
 
  private:
   // True when a new ring was allocated (its first copies must wait for the compute stream).
-  bool ensure_ring(int arrays_per_slot);
+  bool ensure_ring(std::size_t slot_bytes);
 
   int device_;
   std::int64_t chunk_numel_;               // elements per chunk (each array of a slot holds this many floats)
   int slots_;                              // ring slots (>= 2)
-  int arrays_per_slot_ = 0;                // float arrays per slot the ring was sized for (2..4)
+  std::size_t slot_bytes_ = 0;             // bytes per slot the ring was sized for
   std::unique_ptr<schedule::Stream> in_;   // host->device copies of state (GPU stream, or the host)
   std::unique_ptr<schedule::Stream> out_;  // device->host copies of state
   optim::AdamWPipeline pipeline_;
-  Tensor ring_;                    // slots_ * arrays_per_slot_ * chunk_numel_ floats on device_ (undefined at first)
+  Tensor ring_;                    // slots_ * slot_bytes_ bytes on device_ (undefined at first)
   std::vector<Tensor> in_flight_;  // host state of the last step, kept until synchronize()
 };
 

@@ -123,7 +123,7 @@ def plan_suite(ctx: Context) -> SuiteResult:
     from ..planner import measure_machine
     sizes = QUICK_SIZES if ctx.quick else {**SIZES, **FAMILIES_CHECK}
     base = ctx.disk_dir or tempfile.gettempdir()
-    steps = 3 if ctx.quick else 5
+    steps = 3 if ctx.quick else 7
     ctx.progress("plan", 0, len(sizes) * len(HOMES), "measuring the machine (refresh: this run's own figures)")
     with tempfile.TemporaryDirectory(dir=base, prefix="hipferry-plan-") as folder:
         device = torch.device("cuda", torch.cuda.current_device()) if ctx.device == "cuda" else torch.device("cpu")

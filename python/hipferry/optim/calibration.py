@@ -46,6 +46,23 @@ def _cpu_adamw_params_per_s(n: int = 4 << 20, repeats: int = 3) -> float:
     return n / best
 
 
+def _cpu_adamw8bit_params_per_s(n: int = 4 << 20, repeats: int = 3) -> float:
+    """The same with 8-bit moments (OffloadAdamW(state_dtype=torch.uint8))."""
+    p, g = torch.randn(n), torch.randn(n)
+    codes = {k: torch.empty(n, dtype=torch.uint8) for k in ("m", "v")}
+    scales = {k: torch.empty((n + 255) // 256) for k in ("m", "v")}
+    _C._quantize_blockwise_8bit(torch.randn(n) * 1e-3, True, codes["m"], scales["m"])
+    _C._quantize_blockwise_8bit(torch.rand(n) * 1e-6, False, codes["v"], scales["v"])
+    best = float("inf")
+    for step in range(1, repeats + 1):
+        t0 = time.perf_counter()
+        _C._adamw8bit_step_(p, g, codes["m"], scales["m"], codes["v"], scales["v"], None, None, None, step,
+                            lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, amsgrad=False,
+                            maximize=False)
+        best = min(best, time.perf_counter() - t0)
+    return n / best
+
+
 def link_gbps(device: torch.device, nbytes: int = 64 * _MiB, repeats: int = 3) -> tuple:
     """Pinned host <-> `device` copy speed, GB/s, (host to device, device to host), best of `repeats`."""
     host = default_pool().empty(nbytes, dtype=torch.uint8)
@@ -82,9 +99,13 @@ def calibrate(device: Optional[torch.device] = None, *, refresh: bool = False) -
             return dict(_cache[key])
         stored = load_cached(path).get(key)
         if stored:
+            if "cpu_adamw8bit_params_per_s" not in stored:  # cached by a version that did not measure it
+                stored["cpu_adamw8bit_params_per_s"] = _cpu_adamw8bit_params_per_s()
+                store_cached(path, key, stored)
             _cache[key] = stored
             return dict(stored)
     result = {"device": str(device), "cpu_adamw_params_per_s": _cpu_adamw_params_per_s(),
+              "cpu_adamw8bit_params_per_s": _cpu_adamw8bit_params_per_s(),
               "cpu_threads": torch.get_num_threads(), "measured": time.strftime("%Y-%m-%d %H:%M:%S")}
     if device.type == "cuda":
         result["link_h2d_gbps"], result["link_d2h_gbps"] = link_gbps(device)
@@ -117,21 +138,24 @@ def store_cached(path: str, key: str, value: dict) -> None:
         pass
 
 
-def choose_engine(calibration: dict, low_precision_share: float, amsgrad: bool) -> tuple:
+def choose_engine(calibration: dict, low_precision_share: float, amsgrad: bool, eight_bit: bool = False) -> tuple:
     """('gpu' or 'cpu', reason) from predicted seconds per parameter.
 
-    GPU-streamed: the state crosses the link both ways at once (full duplex),
-    4 B per float32 array (exp_avg, exp_avg_sq, the master for low-precision
-    parameters, max_exp_avg_sq with amsgrad). CPU: the fused host step, with
+    GPU-streamed: the state crosses the link both ways at once (full duplex):
+    per moment (exp_avg, exp_avg_sq, max_exp_avg_sq with amsgrad) 4 B, or 1 B
+    and a 4 B scale per 256 in 8 bits; 4 B of master for low-precision
+    parameters. CPU: the fused host step (float32 or 8-bit, as measured), with
     the gradient copy overlapped with backward and the parameter copy back
     overlapped with the host step of the next parameter."""
-    arrays = 2 + low_precision_share + (1 if amsgrad else 0)
+    moment = 1 + 4 / 256 if eight_bit else 4
+    state_bytes = (2 + (1 if amsgrad else 0)) * moment + 4 * low_precision_share
     h2d, d2h = calibration["link_h2d_gbps"] * 1e9, calibration["link_d2h_gbps"] * 1e9
-    gpu = max(4 * arrays / h2d, 4 * arrays / d2h)
+    gpu = max(state_bytes / h2d, state_bytes / d2h)
     param_bytes = 4 - 2 * low_precision_share
-    cpu = max(1 / calibration["cpu_adamw_params_per_s"], param_bytes / h2d)
+    speed = calibration["cpu_adamw8bit_params_per_s" if eight_bit else "cpu_adamw_params_per_s"]
+    cpu = max(1 / speed, param_bytes / h2d)
     choice = "gpu" if gpu <= cpu else "cpu"
     reason = (f"predicted {gpu * 1e9:.2f} ns/param GPU-streamed (link {h2d / 1e9:.1f}/{d2h / 1e9:.1f} GB/s "
               f"h2d/d2h) vs {cpu * 1e9:.2f} ns/param on the CPU "
-              f"({calibration['cpu_adamw_params_per_s'] / 1e6:.0f} M params/s)")
+              f"({speed / 1e6:.0f} M params/s{', 8-bit state' if eight_bit else ''})")
     return choice, reason

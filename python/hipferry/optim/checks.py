@@ -276,9 +276,6 @@ def check_options(*, skip_nonfinite: Any, overlap: Any, step_on: Any, state_dtyp
     if state_dtype not in (torch.float32, torch.uint8):
         raise ValueError("OffloadAdamW: state_dtype must be torch.float32 (exact AdamW) or torch.uint8 (m and v "
                          f"in 8 bits, blockwise, with a float32 master), got {state_dtype!r}")
-    if state_dtype == torch.uint8 and step_on == "gpu":
-        raise ValueError("OffloadAdamW: state_dtype=torch.uint8 steps on the CPU (the GPU-streamed engine moves "
-                         "float32 state only); use step_on='cpu' or 'auto'")
     for name, value, low in (("min_offload_numel", min_offload_numel, 0), ("chunk_numel", chunk_numel, 1),
                              ("ring_slots", ring_slots, 2), ("min_8bit_numel", min_8bit_numel, 0)):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:

@@ -9,8 +9,9 @@ parameter goes where (OffloadAdamW.step does) or what the state's format is
 - HostForGpuEngine (step_on="cpu", GPU parameters): the host steps a host
   copy of the gradient (started in backward: grad_copies.py) and sends the
   new values back with async copies while it steps the next parameter.
-- StreamedEngine (step_on="gpu"): the state streams through a ring of device
-  buffers, one fused kernel per chunk (hipferry._C.AdamWStreamer).
+- StreamedEngine (step_on="gpu"): the state (float32 or 8-bit moments) streams
+  through a ring of device buffers, one fused kernel per chunk
+  (hipferry._C.AdamWStreamer).
 """
 from dataclasses import dataclass
 from typing import Dict, List, Optional
@@ -185,7 +186,8 @@ class StreamedEngine:
             streamer = _C.AdamWStreamer(device, self.chunk_numel, self.ring_slots)
             self._streamers[device] = streamer
         lists: Dict[str, list] = {k: [] for k in ("params", "grads", "masters", "exp_avgs", "exp_avg_sqs",
-                                                  "max_exp_avg_sqs")}
+                                                  "max_exp_avg_sqs", "exp_avg_absmaxes", "exp_avg_sq_absmaxes",
+                                                  "max_exp_avg_sq_absmaxes")}
         amsgrad = items[0].hyper["amsgrad"]
         for it in items:
             st, rp = it.st, real(local(it.p))
@@ -198,6 +200,9 @@ class StreamedEngine:
             lists["exp_avg_sqs"].append(memory_flat(real(st["exp_avg_sq"])))
             mx = st.get("max_exp_avg_sq") if amsgrad else None
             lists["max_exp_avg_sqs"].append(memory_flat(real(mx)) if mx is not None else None)
+            for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):  # the scales of 8-bit moments (int8_store.py)
+                scales = st.get(f"{key}_absmax") if key != "max_exp_avg_sq" or amsgrad else None
+                lists[f"{key}_absmaxes"].append(scales)
         streamer.step(**lists, step=step, **items[0].hyper)
         for it in items:
             torch.autograd.graph.increment_version(local(it.p))  # written by our kernel, unseen by autograd
@@ -212,7 +217,8 @@ class StreamedEngine:
         return sum(s.ring_bytes for s in self._streamers.values())
 
 
-def choose_step_on(requested: str, gpu_params: List[torch.Tensor], any_gpu: bool, amsgrad: bool) -> tuple:
+def choose_step_on(requested: str, gpu_params: List[torch.Tensor], any_gpu: bool, amsgrad: bool,
+                   eight_bit: bool = False) -> tuple:
     """(step_on, reason): the engine for parameters that live on a GPU with their state on the host."""
     if not gpu_params:
         if requested == "gpu" and not any_gpu:
@@ -225,4 +231,4 @@ def choose_step_on(requested: str, gpu_params: List[torch.Tensor], any_gpu: bool
     low = sum(p.numel() for p in gpu_params if p.dtype in LOW_PRECISION)
     share = low / max(1, sum(p.numel() for p in gpu_params))
     cal = calibration.calibrate(gpu_params[0].device)
-    return calibration.choose_engine(cal, share, amsgrad)
+    return calibration.choose_engine(cal, share, amsgrad, eight_bit)

@@ -153,12 +153,14 @@ class OffloadAdamW(StatePersistence, torch.optim.Optimizer):
         gpu_params = [local(p) for g in self.param_groups for p in g["params"]
                       if p.device.type == "cuda" and self._slots[p].where == "host"]
         any_gpu = any(p.device.type == "cuda" for g in self.param_groups for p in g["params"])
-        requested = "cpu" if self._store.format != "float32" and gpu_params else self._settings["step_on"]
+        on_disk = self._store.format.startswith("disk")
+        requested = "cpu" if on_disk and gpu_params else self._settings["step_on"]
         self.step_on, self.step_on_reason = choose_step_on(requested, gpu_params, any_gpu,
-                                                           any(g["amsgrad"] for g in self.param_groups))
+                                                           any(g["amsgrad"] for g in self.param_groups),
+                                                           eight_bit=self._store.format == "uint8")
         if requested != self._settings["step_on"]:
             self.step_on_reason = f"{self._store.format} state steps on the CPU (the GPU-streamed engine moves " \
-                                  "float32 host state only)"
+                                  "host state in RAM, not in files)"
         log.info("OffloadAdamW: step_on=%s (%s)", self.step_on, self.step_on_reason)
         if before is not None and before != self.step_on:
             # The other engine updates float32 GPU parameters on the device without a

@@ -69,6 +69,29 @@ def test_more_streamed_state_moves_the_choice_towards_the_cpu():
     assert calibration.choose_engine(figures, 1.0, True)[0] == "cpu"
 
 
+def test_8bit_state_streams_fewer_bytes_and_its_cpu_step_is_its_own():
+    # 8-bit moments stream 2 x 1.016 B each way instead of 8: a link too slow for float32 state
+    # streams 8-bit state, the more so as its CPU step (measured on its own) is slower.
+    figures = {**fig(8, 2e9), "cpu_adamw8bit_params_per_s": 1e9}
+    assert calibration.choose_engine(figures, 0.0, False)[0] == "cpu"
+    choice, reason = calibration.choose_engine(figures, 0.0, False, eight_bit=True)
+    assert choice == "gpu" and "1000 M params/s, 8-bit state" in reason
+    # bf16 parameters: a 4 B master streams too, against 2 B of parameter sent back by the CPU engine
+    assert calibration.choose_engine({**figures, "cpu_adamw8bit_params_per_s": 1e12}, 1.0, False, True)[0] == "cpu"
+
+
+def test_the_8bit_cpu_step_is_measured_and_added_to_an_older_cache(cache_dir, monkeypatch):
+    first = hipferry.optim.calibrate("cpu")
+    assert first["cpu_adamw8bit_params_per_s"] > 1e5
+    key = next(iter(json.loads((cache_dir / "calibration.json").read_text())))
+    old = {k: v for k, v in first.items() if k != "cpu_adamw8bit_params_per_s"}
+    (cache_dir / "calibration.json").write_text(json.dumps({key: old}))
+    monkeypatch.setattr(calibration, "_cache", {})
+    monkeypatch.setattr(calibration, "_cpu_adamw8bit_params_per_s", lambda: 7.0)
+    assert hipferry.optim.calibrate("cpu")["cpu_adamw8bit_params_per_s"] == 7.0
+    assert json.loads((cache_dir / "calibration.json").read_text())[key]["cpu_adamw8bit_params_per_s"] == 7.0
+
+
 def test_cpu_parameters_report_the_cpu_engine_and_log_it(caplog):
     p = torch.nn.Parameter(torch.randn(10))
     with caplog.at_level(logging.INFO, logger="hipferry.optim"):
