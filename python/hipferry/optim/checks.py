@@ -280,6 +280,9 @@ def check_options(*, skip_nonfinite: Any, overlap: Any, step_on: Any, state_dtyp
                              ("ring_slots", ring_slots, 2), ("min_8bit_numel", min_8bit_numel, 0)):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ValueError(f"OffloadAdamW: {name} must be an int >= {low}, got {value!r}")
+    if state_dtype == torch.uint8 and chunk_numel % 256:
+        raise ValueError(f"OffloadAdamW: chunk_numel must be a multiple of 256 with state_dtype=torch.uint8 (8-bit "
+                         f"state streams in whole blocks of 256), got {chunk_numel}")
 
 
 def grads_finite(params: List[torch.Tensor]) -> bool:

@@ -156,6 +156,8 @@ def test_bad_state_dtype_and_engine_are_refused():
     # (8-bit state streams through the GPU too: tests/python/optim/test_adamw_streamer_8bit.py)
     with pytest.raises(ValueError, match="step_on='gpu' needs parameters on a GPU"):
         OffloadAdamW(model.parameters(), state_dtype=torch.uint8, step_on="gpu")
+    with pytest.raises(ValueError, match="chunk_numel must be a multiple of 256 with state_dtype=torch.uint8"):
+        OffloadAdamW(model.parameters(), state_dtype=torch.uint8, chunk_numel=1000)
 
 
 def test_a_state_dict_with_wrong_scales_is_refused_before_anything_changes():
