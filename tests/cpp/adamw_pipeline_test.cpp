@@ -122,20 +122,26 @@ std::vector<StreamedArrays> arrays_of(std::vector<Param>& ps) {
   return out;
 }
 
+// The parameter and gradient fields of either step's arrays.
+template <class Arrays>
+void set_param_and_grad(Arrays& a, Param& p) {
+  if (!p.master.empty()) {
+    a.param = p.master.data();
+    a.param_out = p.param.data();
+    a.out_type = p.ptype;
+  } else {
+    a.param = reinterpret_cast<float*>(p.param.data());
+  }
+  a.grad = p.grad.data();
+  a.grad_type = p.gtype;
+}
+
 // The oracle: adamw_cpu (adamw8bit_cpu) over each whole parameter, in order.
 void reference_step(std::vector<Param>& ps, const AdamWScalars& s) {
   for (Param& p : ps) {
     if (p.q8) {
       AdamW8bitArrays a;
-      if (!p.master.empty()) {
-        a.param = p.master.data();
-        a.param_out = p.param.data();
-        a.out_type = p.ptype;
-      } else {
-        a.param = reinterpret_cast<float*>(p.param.data());
-      }
-      a.grad = p.grad.data();
-      a.grad_type = p.gtype;
+      set_param_and_grad(a, p);
       a.exp_avg = {p.mq.data(), p.ms.data()};
       a.exp_avg_sq = {p.vq.data(), p.vs.data()};
       if (!p.xq.empty()) a.max_exp_avg_sq = {p.xq.data(), p.xs.data()};
@@ -143,15 +149,7 @@ void reference_step(std::vector<Param>& ps, const AdamWScalars& s) {
       continue;
     }
     AdamWArrays a;
-    if (!p.master.empty()) {
-      a.param = p.master.data();
-      a.param_out = p.param.data();
-      a.out_type = p.ptype;
-    } else {
-      a.param = reinterpret_cast<float*>(p.param.data());
-    }
-    a.grad = p.grad.data();
-    a.grad_type = p.gtype;
+    set_param_and_grad(a, p);
     a.exp_avg = p.m.data();
     a.exp_avg_sq = p.v.data();
     a.max_exp_avg_sq = p.vmax.empty() ? nullptr : p.vmax.data();

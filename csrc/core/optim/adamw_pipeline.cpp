@@ -53,6 +53,20 @@ std::size_t slot_bytes_of(const std::vector<Region>& regs) {
   return total;
 }
 
+// What either kernel's arrays take beside the state: the low-precision parameter written
+// from the master (the parameter itself: a write the master did not see is taken), and
+// the gradient.
+template <class Arrays>
+void set_out_and_grad(Arrays& arr, const StreamedArrays& p, char* param_at, const void* grad_at) {
+  if (p.master) {
+    arr.param_out = param_at;
+    arr.out_type = p.param_type;
+    arr.adopt_out = true;
+  }
+  arr.grad = grad_at;
+  arr.grad_type = p.grad_type;
+}
+
 // The kernel of one chunk: `dev` holds its state regions in the slot (regions' order).
 schedule::Work chunk_kernel(const StreamedArrays& p, const AdamWScalars& s, std::int64_t off, std::int64_t count,
                             const std::vector<char*>& dev, const AdamWLaunchers& launch) {
@@ -68,13 +82,7 @@ schedule::Work chunk_kernel(const StreamedArrays& p, const AdamWScalars& s, std:
     arr.exp_avg = reinterpret_cast<float*>(dev[a++]);
     arr.exp_avg_sq = reinterpret_cast<float*>(dev[a++]);
     if (s.amsgrad) arr.max_exp_avg_sq = reinterpret_cast<float*>(dev[a++]);
-    if (p.master) {
-      arr.param_out = param_at;
-      arr.out_type = p.param_type;
-      arr.adopt_out = true;  // the parameter itself: a write the master did not see is taken
-    }
-    arr.grad = grad_at;
-    arr.grad_type = p.grad_type;
+    set_out_and_grad(arr, p, param_at, grad_at);
     kernel.on_host = [arr, s, count] { adamw_cpu(arr, s, 0, count); };
     if (launch.float32) {
       kernel.on_device = [arr, s, count, f = launch.float32](schedule::NativeStream n) { f(arr, s, count, n); };
@@ -90,13 +98,7 @@ schedule::Work chunk_kernel(const StreamedArrays& p, const AdamWScalars& s, std:
     arr.exp_avg = moment();
     arr.exp_avg_sq = moment();
     if (s.amsgrad) arr.max_exp_avg_sq = moment();
-    if (p.master) {
-      arr.param_out = param_at;
-      arr.out_type = p.param_type;
-      arr.adopt_out = true;
-    }
-    arr.grad = grad_at;
-    arr.grad_type = p.grad_type;
+    set_out_and_grad(arr, p, param_at, grad_at);
     kernel.on_host = [arr, s, count] { adamw8bit_cpu(arr, s, 0, count); };
     if (launch.quant8) {
       kernel.on_device = [arr, s, count, f = launch.quant8](schedule::NativeStream n) { f(arr, s, count, n); };
