@@ -157,13 +157,16 @@ void reference_step(std::vector<Param>& ps, const AdamWScalars& s) {
   }
 }
 
+// Scales compared bit for bit (a NaN scale is a NaN block: it must match too).
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
+}
+
 bool same(const std::vector<Param>& a, const std::vector<Param>& b) {
   for (std::size_t i = 0; i < a.size(); ++i) {
     if (a[i].param != b[i].param || a[i].master != b[i].master || a[i].m != b[i].m || a[i].v != b[i].v ||
         a[i].vmax != b[i].vmax || a[i].mq != b[i].mq || a[i].vq != b[i].vq || a[i].xq != b[i].xq ||
-        std::memcmp(a[i].ms.data(), b[i].ms.data(), a[i].ms.size() * 4) != 0 ||
-        std::memcmp(a[i].vs.data(), b[i].vs.data(), a[i].vs.size() * 4) != 0 ||
-        std::memcmp(a[i].xs.data(), b[i].xs.data(), a[i].xs.size() * 4) != 0) {
+        !same_bits(a[i].ms, b[i].ms) || !same_bits(a[i].vs, b[i].vs) || !same_bits(a[i].xs, b[i].xs)) {
       return false;
     }
   }
