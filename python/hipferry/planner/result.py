@@ -132,15 +132,20 @@ class Plan:
         if placement.stream:  # first: the optimizer must see the streamed weights where they now live, the host
             blocks = [b.module for b in plan_blocks(model, default_layers(model), None)[0]]
             layers = offload_layers(model, layers=blocks[len(blocks) - placement.stream:], prefetch=placement.prefetch)
-        if home == "torch":
-            fused = params[0].device.type in ("cpu", "cuda") and "foreach" not in optimizer_kwargs
-            opt = torch.optim.AdamW(params, **({"fused": True} if fused else {}), **optimizer_kwargs)
-        else:
+        fused = params[0].device.type in ("cpu", "cuda") and "foreach" not in optimizer_kwargs
+        dtype, extra = torch.float32, {}
+        if home != "torch":
             dtype = torch.uint8 if home.endswith("8bit") else torch.float32
             parts = chosen.parts
             disk = replace(self.disk, window_bytes=int(parts["window_bytes"]), chunk_numel=int(parts["chunk_numel"])) \
                 if "window_bytes" in parts else self.disk
             extra = {"state_dir": self.state_dir, "disk": disk} if home.startswith("disk") else {}
-            opt = OffloadAdamW(params, state_dtype=dtype, **extra, **optimizer_kwargs)
+        try:
+            opt = torch.optim.AdamW(params, **({"fused": True} if fused else {}), **optimizer_kwargs) \
+                if home == "torch" else OffloadAdamW(params, state_dtype=dtype, **extra, **optimizer_kwargs)
+        except BaseException:
+            if layers is not None:  # a bad optimizer argument leaves the model as it was
+                layers.undo()
+            raise
         return Applied(optimizer=opt, home=home, placement=placement, layers=layers,
                        activations=offload_activations() if placement.activations else None)

@@ -216,3 +216,20 @@ def test_on_the_cpu_no_placement_is_tried(monkeypatch):
     monkeypatch.setattr(planner_mod, "measure_machine", lambda device, state_dir=None, **kw: dict(MACHINE))
     p = plan(blocks_model(), gpu_memory=1)  # no GPU: the GPU budget has nothing to limit
     assert all(c.placement == Placement() and c.device_peak == 0 for c in p.candidates)
+
+
+def test_a_bad_optimizer_argument_leaves_the_model_as_it_was(fake_gpu):
+    fake_gpu["kw"] = {"saved": 0}
+    model = blocks_model()
+    budget = next(c for c in plan(model, gpu_memory="64GiB").candidates if c.home == "host-float32").device_peak
+    p = plan(model, gpu_memory=budget - 5 * MB, homes=["host-float32"])
+    assert p.chosen.placement.stream
+    before = [q.detach().clone() for q in model.parameters()]
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        p.apply(model, lr=-1.0)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    applied = p.apply(model, lr=1e-2)  # the blocks are free to stream: nothing was left offloaded
+    try:
+        assert applied.layers.stats()["blocks"] == p.chosen.placement.stream
+    finally:
+        applied.layers.undo()
