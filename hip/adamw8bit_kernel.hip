@@ -70,7 +70,7 @@ __global__ void adamw8bit_kernel(optim::AdamW8bitArrays a, optim::AdamWScalars s
   const Quant8Input m_in = from ? a.exp_avg_in : Quant8Input{a.exp_avg.codes, a.exp_avg.absmax};
   const Quant8Input v_in = from ? a.exp_avg_sq_in : Quant8Input{a.exp_avg_sq.codes, a.exp_avg_sq.absmax};
   const Quant8Input x_in = from ? a.max_exp_avg_sq_in : Quant8Input{a.max_exp_avg_sq.codes, a.max_exp_avg_sq.absmax};
-  const std::int64_t blocks = (n + q8::kBlock - 1) / q8::kBlock;
+  const std::int64_t blocks = q8::block_count(n);
   for (std::int64_t b = blockIdx.x; b < blocks; b += gridDim.x) {
     const std::int64_t i = b * q8::kBlock + t;
     const bool active = i < n;
@@ -106,7 +106,7 @@ __global__ void adamw8bit_kernel(optim::AdamW8bitArrays a, optim::AdamWScalars s
 template <class Grad, class Out, bool kAmsgrad, bool kWriteOut>
 void launch(const optim::AdamW8bitArrays& a, const optim::AdamWScalars& s, const CodeTables& tables, std::int64_t n,
             hipStream_t stream) {
-  const std::int64_t blocks = std::min<std::int64_t>((n + q8::kBlock - 1) / q8::kBlock, kMaxBlocks);
+  const std::int64_t blocks = std::min<std::int64_t>(q8::block_count(n), kMaxBlocks);
   adamw8bit_kernel<Grad, Out, kAmsgrad, kWriteOut>
       <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a, s, tables, n);
 }

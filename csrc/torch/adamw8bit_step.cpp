@@ -26,8 +26,6 @@ namespace {
 constexpr std::int64_t kBlock = optim::q8::kBlock;
 constexpr std::int64_t kGrainBlocks = 128;  // 32768 elements per task, as _adamw_step_
 
-std::int64_t blocks_of(std::int64_t n) { return (n + kBlock - 1) / kBlock; }
-
 enum class Kind { kFloat32, kUint8, kAnyFloat };
 
 // `t` is a contiguous dense tensor of `numel` elements of `kind` on `device`; `what` says
@@ -54,8 +52,8 @@ void check_array(const char* fn, const char* name, const Tensor& t, Kind kind, s
 void check_state8(const char* fn, const char* codes_name, const Tensor& codes, const char* absmax_name,
                   const Tensor& absmax, std::int64_t n, const Device& device) {
   check_array(fn, codes_name, codes, Kind::kUint8, n, "one code per element of param", device);
-  check_array(fn, absmax_name, absmax, Kind::kFloat32, blocks_of(n), "one scale per block of 256 elements of param",
-              device);
+  check_array(fn, absmax_name, absmax, Kind::kFloat32, optim::q8::block_count(n),
+              "one scale per block of 256 elements of param", device);
 }
 
 struct Named {
@@ -182,7 +180,7 @@ optim::AdamW8bitArrays arrays_of(const Step8& t) {
 // Runs fn(begin, end) over [0, n) in pieces that start on block boundaries.
 template <class Fn>
 void for_blocks(std::int64_t n, Fn&& fn) {
-  torch::stable::parallel_for(0, blocks_of(n), kGrainBlocks,
+  torch::stable::parallel_for(0, optim::q8::block_count(n), kGrainBlocks,
                               [&](std::int64_t b0, std::int64_t b1) { fn(b0 * kBlock, std::min(b1 * kBlock, n)); });
 }
 
@@ -210,7 +208,8 @@ void quantize8(const Tensor& x, bool is_signed, Tensor& codes, Tensor& absmax) {
   const std::int64_t n = x.numel();
   check_array(fn, "x", x, Kind::kFloat32, n, "x's own", x.device());
   if (!codes.defined()) codes = torch::stable::empty(shape_of(x), ScalarType::Byte, std::nullopt, x.device());
-  if (!absmax.defined()) absmax = torch::stable::empty({blocks_of(n)}, ScalarType::Float, std::nullopt, x.device());
+  if (!absmax.defined())
+    absmax = torch::stable::empty({optim::q8::block_count(n)}, ScalarType::Float, std::nullopt, x.device());
   check_state8(fn, "codes", codes, "absmax", absmax, n, x.device());
   check_apart(fn, {{"codes", &codes}, {"absmax", &absmax}}, {{"x", &x}});
   const float* xs = x.const_data_ptr<float>();

@@ -38,7 +38,7 @@ void check_host_state(const Tensor& t, const char* name, std::size_t index, std:
                  device_name(t.device()), " with ", t.numel(), " elements");
 }
 
-void check_param(const StreamedParam& p, std::size_t i, int device, bool amsgrad) {
+void check_param(const StreamedParam& p, std::size_t i, int device, bool amsgrad, std::int64_t chunk_numel) {
   const Tensor& param = p.param;
   const bool placed = device < 0 ? param.is_cpu() : param.is_cuda() && param.get_device_index() == device;
   HF_CHECK_VALUE(placed && param.is_contiguous(), "AdamWStreamer.step: params[", i, "] must be a contiguous tensor on ",
@@ -61,8 +61,10 @@ void check_param(const StreamedParam& p, std::size_t i, int device, bool amsgrad
                  "AdamWStreamer.step: parameter ", i,
                  " has the scales of some of its moments but not all (8-bit "
                  "state needs exp_avg_absmaxes, exp_avg_sq_absmaxes and, with amsgrad, max_exp_avg_sq_absmaxes)");
+  HF_CHECK_VALUE(!q8 || chunk_numel % optim::q8::kBlock == 0, "AdamWStreamer.step: 8-bit state streams in whole ",
+                 "blocks of 256 elements; this streamer's chunk_numel is ", chunk_numel);
   const ScalarType moments = q8 ? ScalarType::Byte : ScalarType::Float;
-  const std::int64_t blocks = (param.numel() + 255) / 256;
+  const std::int64_t blocks = optim::q8::block_count(param.numel());
   check_host_state(p.exp_avg, "exp_avgs", i, param.numel(), moments);
   check_host_state(p.exp_avg_sq, "exp_avg_sqs", i, param.numel(), moments);
   HF_CHECK_VALUE(amsgrad == p.max_exp_avg_sq.has_value(), "AdamWStreamer.step: max_exp_avg_sqs[", i, "] ",
@@ -116,7 +118,7 @@ bool AdamWStreamer::ensure_ring(std::size_t slot_bytes) {
 }
 
 void AdamWStreamer::step(const std::vector<StreamedParam>& params, const optim::AdamWScalars& s) {
-  for (std::size_t i = 0; i < params.size(); ++i) check_param(params[i], i, device_, s.amsgrad);
+  for (std::size_t i = 0; i < params.size(); ++i) check_param(params[i], i, device_, s.amsgrad, chunk_numel_);
   if (params.empty()) return;
   std::vector<optim::StreamedArrays> arrays;
   for (const StreamedParam& p : params) {
@@ -145,12 +147,6 @@ void AdamWStreamer::step(const std::vector<StreamedParam>& params, const optim::
   const bool host = device_ < 0;
   std::optional<rt::DeviceGuard> guard;
   if (!host) guard.emplace(device_);
-  for (const optim::StreamedArrays& a : arrays) {
-    HF_CHECK_VALUE(!a.quant8 || chunk_numel_ % 256 == 0,
-                   "AdamWStreamer.step: 8-bit state streams in whole blocks "
-                   "of 256 elements; this streamer's chunk_numel is ",
-                   chunk_numel_);
-  }
   const bool fresh = ensure_ring(optim::adamw_slot_bytes(arrays, s.amsgrad, chunk_numel_));
   // The kernel runs where the gradient was produced and the next forward reads the parameter.
   std::unique_ptr<schedule::Stream> compute;

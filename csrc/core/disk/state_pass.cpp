@@ -201,7 +201,7 @@ class Pass {
     a.param_out = out;
     a.out_type = p.out_type;
     a.adopt_out = p.adopt && out;
-    const std::int64_t blocks = (r.numel + kBlock - 1) / kBlock;
+    const std::int64_t blocks = optim::q8::block_count(r.numel);
     c_.parallel(blocks, 128, [&](std::int64_t b0, std::int64_t b1) {
       optim::adamw8bit_cpu(a, p.scalars, b0 * kBlock, std::min(b1 * kBlock, r.numel));
     });

@@ -39,7 +39,8 @@ std::vector<Region> regions(const StreamedArrays& p, bool amsgrad, std::int64_t 
   }
   const auto codes = [&](const Quant8Array& a) {
     r.push_back({reinterpret_cast<char*>(a.codes + off), n});
-    r.push_back({reinterpret_cast<char*>(a.absmax + off / q8::kBlock), (n + q8::kBlock - 1) / q8::kBlock * 4});
+    r.push_back({reinterpret_cast<char*>(a.absmax + off / q8::kBlock),
+                 static_cast<std::size_t>(q8::block_count(count)) * sizeof(float)});
   };
   codes(p.exp_avg8);
   codes(p.exp_avg_sq8);

@@ -44,6 +44,9 @@ constexpr int kCodes = 256;  // entries of a code table
 constexpr std::uint32_t kInfBits = 0x7f800000u;
 constexpr std::uint32_t kNanBits = 0x7fc00000u;
 
+// The blocks (and so the scales) of an array of n elements: ceil(n / 256).
+HIPFERRY_HD constexpr std::int64_t block_count(std::int64_t n) { return (n + kBlock - 1) / kBlock; }
+
 // |x|'s bits: ordered like |x| as unsigned integers (+inf above every finite value, NaN
 // above +inf), so the block's largest magnitude is an integer max: exact, any order.
 HIPFERRY_HD std::uint32_t abs_bits(float x) { return f32_as_bits(x) & 0x7fffffffu; }

@@ -14,6 +14,7 @@ import torch
 
 from .. import _C
 from ..pool import default_pool
+from .int8_store import blocks
 
 _MiB = 1 << 20
 _cache: dict = {}
@@ -50,7 +51,7 @@ def _cpu_adamw8bit_params_per_s(n: int = 4 << 20, repeats: int = 3) -> float:
     """The same with 8-bit moments (OffloadAdamW(state_dtype=torch.uint8))."""
     p, g = torch.randn(n), torch.randn(n)
     codes = {k: torch.empty(n, dtype=torch.uint8) for k in ("m", "v")}
-    scales = {k: torch.empty((n + 255) // 256) for k in ("m", "v")}
+    scales = {k: torch.empty(blocks(n)) for k in ("m", "v")}
     _C._quantize_blockwise_8bit(torch.randn(n) * 1e-3, True, codes["m"], scales["m"])
     _C._quantize_blockwise_8bit(torch.rand(n) * 1e-6, False, codes["v"], scales["v"])
     best = float("inf")

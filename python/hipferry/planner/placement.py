@@ -41,7 +41,7 @@ class Placement:
 class PlacementCost:
     device_saved: int    # device bytes it frees at the peak (weights, gradients, activations less its ring)
     host_added: int      # host bytes it adds (the streamed weights and their gradients, the activations)
-    resident_trainable_bytes: int  # trainable weights that stay on the device
+    resident_share: float  # of the trainable weights' bytes, what stays on the device
     ring_bytes: int      # the ring's device slots
     h2d_bytes: int       # copied in per step
     d2h_bytes: int       # copied out per step
@@ -58,16 +58,16 @@ def placement_cost(prof: ModelProfile, placement: Placement, h2d_gbps: float, d2
     slots = min(placement.prefetch + 1, len(blocks))
     weights = sum(b.host_bytes for b in blocks)
     grads = sum(b.trainable_bytes for b in blocks)
-    ring = slots * max((b.slot_bytes for b in blocks), default=0)
+    slot = max((b.slot_bytes for b in blocks), default=0)
+    ring = slots * slot
     acts = prof.saved_bytes if placement.activations else 0
     saved = weights + grads - ring + max(0, acts - ACTIVATIONS_IN_FLIGHT)
     h2d = 2 * weights - sum(b.host_bytes for b in blocks[len(blocks) - slots:]) + acts
     d2h = grads + acts
     copies = max(h2d / (h2d_gbps * 1e9), d2h / (d2h_gbps * 1e9))
-    first = max((b.slot_bytes for b in blocks), default=0) / (h2d_gbps * 1e9)
     trainable = sum(n * d.itemsize for n, d in prof.trainable)
-    return PlacementCost(saved, weights + grads + acts, trainable - grads, ring, h2d, d2h,
-                         max(prof.fwd_bwd_seconds, copies) + first, copies)
+    return PlacementCost(saved, weights + grads + acts, 1 - grads / max(1, trainable), ring, h2d, d2h,
+                         max(prof.fwd_bwd_seconds, copies) + slot / (h2d_gbps * 1e9), copies)
 
 
 def placements(prof: ModelProfile, home: str, gpu_memory: Optional[int],
@@ -80,8 +80,8 @@ def placements(prof: ModelProfile, home: str, gpu_memory: Optional[int],
     yield Placement()
     if prof.device.type != "cuda" or gpu_memory is None or device_need(Placement()) <= gpu_memory:
         return
+    max_stream = len(prof.blocks) if home != "torch" else 0
     for activations in ((False, True) if prof.saved_bytes else (False,)):
-        max_stream = len(prof.blocks) if home != "torch" else 0
         options = [Placement(k, p if k else 0, activations) for k in range(0 if activations else 1, max_stream + 1)
                    for p in (PREFETCH_CHOICES if k else (0,))]
         if not options:

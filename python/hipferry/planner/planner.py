@@ -103,8 +103,7 @@ def _estimate(home: str, prof: ModelProfile, machine: dict, held: int, amsgrad: 
     fwd_bwd, saved, added, resident = prof.fwd_bwd_seconds, 0, 0, 1.0
     if on_gpu:
         pc = placement_cost(prof, placement, machine["link_h2d_gbps"], machine["link_d2h_gbps"])
-        trainable = sum(c * d.itemsize for c, d in prof.trainable)
-        saved, added, resident = pc.device_saved, pc.host_added, pc.resident_trainable_bytes / max(1, trainable)
+        saved, added, resident = pc.device_saved, pc.host_added, pc.resident_share
         if placement.offloads:
             parts.update(fwd_bwd_with_copies=pc.pass_seconds, copies=pc.copy_seconds)
             fwd_bwd = pc.pass_seconds

@@ -4,6 +4,7 @@ what the process held: activations, gradients, temporaries, and the saved
 activations that offload_activations would take).
 
 The passes leave the model as they found it: gradients, RNG state and mode are put back."""
+import contextlib
 import gc
 import time
 from dataclasses import dataclass, field
@@ -125,10 +126,8 @@ def profile_model(model: nn.Module, batch: Any, loss_fn: Optional[Callable] = No
                      f"{' (warm-up)' if r == 0 else ''}")
             _sync(device)
             t0 = time.perf_counter()
-            if r == 0:  # the warm-up also counts what forward saves (the hooks pass tensors through)
-                with saved:
-                    loss = loss_fn(model, batch)
-            else:
+            # the warm-up also counts what forward saves (the hooks pass tensors through)
+            with saved if r == 0 else contextlib.nullcontext():
                 loss = loss_fn(model, batch)
             loss.backward()
             del loss

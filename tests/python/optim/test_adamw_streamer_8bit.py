@@ -10,16 +10,13 @@ import torch
 
 import hipferry  # noqa: F401  (loads hipferry._C)
 from hipferry import _C
+from hipferry.optim.int8_store import blocks
 from conftest import requires_gpu
 from offload_adamw_helpers import CpuRemoteOffloadAdamW, make_model
 
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.05)
 SIZES = (2500, 999, 300, 7)
 DEVICES = ["host", pytest.param("cuda", marks=requires_gpu)]
-
-
-def blocks(n):
-    return (n + 255) // 256
 
 
 def make_state(sizes, dtype, amsgrad, eight_bit, seed=0):
