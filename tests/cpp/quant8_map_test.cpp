@@ -188,7 +188,7 @@ TEST(Quant8Blockwise, ANonFiniteValueTurnsItsWholeBlockIntoNan) {
   for (float bad : {NAN, INFINITY, -INFINITY}) {
     std::vector<float> x(700, 0.25f);
     x[300] = bad;
-    const Quantized q = round_trip(x, true);
+    const Quantized q = round_trip(x, true, cpu::best_isa());
     EXPECT_EQ(f32_as_bits(q.absmax[1]), kNanBits);
     for (int i = 256; i < 512; ++i) {
       ASSERT_EQ(q.codes[i], quant8_map(true).zero_code) << i;
@@ -207,7 +207,9 @@ TEST(Quant8Blockwise, TinyAndHugeScalesQuantizeLikeAnyOther) {
   for (float scale : {1e-44f, 0x1p-70f, 3e-30f, 3e38f, 0x1p100f, 1.0f}) {
     std::vector<float> x;
     for (float f : {1.0f, -1.0f, 0.5f, -0.25f, 0.9f, 0.05f, -0.003f, 0.0f}) x.push_back(scale * f);
-    const Quantized q = round_trip(x, true);
+    x.resize(64 + x.size(), 0.0f);  // a whole vector of 64 and a tail, for the VBMI build
+    for (int i = 0; i < 8; ++i) x[64 + i] = x[i];
+    const Quantized q = round_trip(x, true, cpu::best_isa());
     ASSERT_EQ(q.absmax[0], scale);
     for (std::size_t i = 0; i < x.size(); ++i) {
       const float y = static_cast<float>(static_cast<long double>(x[i]) / scale);
@@ -217,6 +219,7 @@ TEST(Quant8Blockwise, TinyAndHugeScalesQuantizeLikeAnyOther) {
     EXPECT_EQ(q.codes[0], 255);
     EXPECT_EQ(q.codes[1], 0);
     EXPECT_EQ(q.codes[7], m.zero_code);
+    EXPECT_EQ(q.codes[64], 255);
   }
 }
 
@@ -229,18 +232,24 @@ TEST(Quant8Blockwise, ShortLastBlockTakesItsScaleOverItsOwnElements) {
   EXPECT_EQ(q.back[772], 0.625f);
 }
 
-TEST(Quant8Blockwise, BaselineAndAvx2GiveTheSameBits) {
+// The AVX-512 build reads and quantizes in registers where the CPU has VBMI (quant8_vbmi.h).
+TEST(Quant8Blockwise, EveryBuildGivesTheBaselineBits) {
   if (cpu::best_isa() == cpu::Isa::kBaseline) GTEST_SKIP() << "this CPU has no AVX2";
   std::mt19937 rng(5);
   std::normal_distribution<float> d(0.0f, 1.0f);
   std::vector<float> x(10001);
   for (std::size_t i = 0; i < x.size(); ++i) x[i] = d(rng) * std::exp2(static_cast<float>(i % 30) - 20.0f);
-  for (bool is_signed : {true, false}) {
-    const Quantized a = round_trip(x, is_signed, cpu::Isa::kBaseline);
-    const Quantized b = round_trip(x, is_signed, cpu::Isa::kAvx2);
-    EXPECT_EQ(a.codes, b.codes);
-    EXPECT_EQ(a.absmax, b.absmax);
-    EXPECT_EQ(std::memcmp(a.back.data(), b.back.data(), a.back.size() * 4), 0);
+  x[600] = NAN;  // a poisoned block, and a saturated one
+  x[900] = -3e30f;
+  for (cpu::Isa isa : {cpu::Isa::kAvx2, cpu::Isa::kAvx512}) {
+    if (isa > cpu::best_isa()) continue;
+    for (bool is_signed : {true, false}) {
+      const Quantized a = round_trip(x, is_signed, cpu::Isa::kBaseline);
+      const Quantized b = round_trip(x, is_signed, isa);
+      EXPECT_EQ(a.codes, b.codes) << cpu::isa_name(isa);
+      EXPECT_EQ(std::memcmp(a.absmax.data(), b.absmax.data(), a.absmax.size() * 4), 0) << cpu::isa_name(isa);
+      EXPECT_EQ(std::memcmp(a.back.data(), b.back.data(), a.back.size() * 4), 0) << cpu::isa_name(isa);
+    }
   }
 }
 

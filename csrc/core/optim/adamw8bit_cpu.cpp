@@ -5,22 +5,30 @@
 #include <string>
 
 #include "csrc/core/dispatch.h"
+#include "csrc/core/optim/adamw8bit_block.h"
+#include "csrc/core/optim/adamw8bit_vbmi_body.h"
 #include "csrc/core/optim/quant8_map.h"
+#include "csrc/core/optim/quant8_vbmi.h"
 
-// Baseline and AVX2 builds of one always-inline body, picked at run time, as in
-// adamw_cpu.cpp (same reasons). A block of 256 goes through short loops over local
+// Baseline and AVX2 builds of one always-inline body, and a VBMI build, picked at run time
+// as in adamw_cpu.cpp (same reasons). A block of 256 goes through short loops over local
 // buffers, table reads apart from the vectorized arithmetic (quant8.h's element code):
-// read the codes' table entries; dequantize + update + the new scales; the lookup keys of
-// the new values; the lookup; the codes. Each loop sits in its own function, so the codes a
-// block reads first and writes last (in place) are never reached through two __restrict
-// pointers in one scope.
+// read the codes' table entries; dequantize + update + the new scales
+// (adamw8bit_block.h); the lookup keys of the new values; the lookup; the codes. Each loop
+// sits in its own function, so the codes a block reads first and writes last (in place)
+// are never reached through two __restrict pointers in one scope. The VBMI build
+// (adamw8bit_vbmi_body.h) reads the tables and quantizes in registers instead; the AVX-512
+// CPUs without VBMI run the AVX2 build. Every build gives the same bits: table reads are
+// reads, and both quantizers find code_search's code.
 
 namespace hipferry::optim {
 namespace {
 
+using adamw8bit_detail::BlockMoments;
+using adamw8bit_detail::kAdoptAndWrite;
+using adamw8bit_detail::kNoOut;
+using adamw8bit_detail::kWrite;
 using q8::kBlock;
-// What a loop does with param_out (kWriteOut), as in adamw_cpu.cpp.
-constexpr int kNoOut = 0, kWrite = 1, kAdoptAndWrite = 2;
 
 // out[k][j] = table[k][index[k][j]] for j < count, k < kTables, interleaved so that more
 // reads are in flight. A plain scalar loop in both builds: on the Zen 4 this was measured
@@ -34,15 +42,6 @@ template <int kTables, class T, class I>
     for (int k = 0; k < kTables; ++k) out[k][j] = table[k][index[k][j]];
   }
 }
-
-// One block's moments: the table entries of the old codes, then the new values, and the
-// new values' largest magnitudes.
-struct BlockMoments {
-  alignas(64) float m[kBlock];
-  alignas(64) float v[kBlock];
-  alignas(64) float max_v[kBlock];
-  std::uint32_t max_bits_m = 0, max_bits_v = 0, max_bits_max_v = 0;
-};
 
 template <int kStates>
 [[gnu::always_inline]] inline void lookup_keys(const float* const (&x)[kStates], const q8::Normalizer (&n)[kStates],
@@ -68,24 +67,14 @@ template <int kStates>
   }
 }
 
-// Quantizes kStates blocks of `count` values at once (m, v and max_v of one block: their
-// loops interleave, which keeps more table reads in flight), x[k] with largest abs_bits
-// max_bits[k]; returns the scales in scale[k] (quant8.h's rules for zero and non-finite
-// blocks: their codes are computed like any other, from a y that is NaN or infinite and
-// still finds a table entry, then overwritten with the code of 0).
+// The codes of kStates blocks through the lookup table of quant8_map.h, one element at a time.
 template <int kStates>
-[[gnu::always_inline]] inline void quantize_blocks(const float* const (&x)[kStates],
-                                                   const std::uint32_t (&max_bits)[kStates],
+[[gnu::always_inline]] inline void lookup_quantize(const float* const (&x)[kStates], const q8::Normalizer (&n)[kStates],
                                                    const q8::Quant8Map* const (&map)[kStates], int count,
-                                                   std::uint8_t* const (&codes)[kStates], float (&scale)[kStates]) {
+                                                   std::uint8_t* const (&codes)[kStates]) {
   alignas(64) std::int32_t key[kStates][kBlock];
   alignas(64) std::uint32_t order[kStates][kBlock];
   alignas(64) std::int32_t entry[kStates][kBlock];
-  q8::Normalizer n[kStates];
-  for (int k = 0; k < kStates; ++k) {
-    scale[k] = q8::block_scale(max_bits[k]);
-    n[k] = q8::normalizer(scale[k]);
-  }
   lookup_keys<kStates>(x, n, count, key, order);
   const std::int32_t* luts[kStates];
   const std::int32_t* keys[kStates];
@@ -97,75 +86,30 @@ template <int kStates>
   }
   lookup<kStates>(luts, keys, entries, count);
   codes_from_entries<kStates>(entry, order, count, codes);
+}
+
+// Quantizes kStates blocks of `count` values at once (m, v and max_v of one block: their
+// loops interleave, which keeps more table reads in flight), x[k] with largest abs_bits
+// max_bits[k]; returns the scales in scale[k] (quant8.h's rules for zero and non-finite
+// blocks: their codes are computed like any other, from a y that is NaN or infinite and
+// still finds a table entry, then overwritten with the code of 0).
+template <int kStates, bool kVbmi>
+[[gnu::always_inline]] inline void quantize_blocks(const float* const (&x)[kStates],
+                                                   const std::uint32_t (&max_bits)[kStates],
+                                                   const q8::Quant8Map* const (&map)[kStates], int count,
+                                                   std::uint8_t* const (&codes)[kStates], float (&scale)[kStates]) {
+  q8::Normalizer n[kStates];
+  for (int k = 0; k < kStates; ++k) {
+    scale[k] = q8::block_scale(max_bits[k]);
+    n[k] = q8::normalizer(scale[k]);
+  }
+  if constexpr (kVbmi) {
+    for (int k = 0; k < kStates; ++k) q8::quantize_vbmi(*map[k], x[k], n[k], codes[k], count);
+  } else {
+    lookup_quantize<kStates>(x, n, map, count, codes);
+  }
   for (int k = 0; k < kStates; ++k) {
     if (!q8::scale_divides(scale[k])) std::fill(codes[k], codes[k] + count, map[k]->zero_code);
-  }
-}
-
-// kFrom: out of place (the *_in arrays are read, apart from every array written).
-// `moments` holds the old codes' table entries on entry and the new moments on return.
-template <class Grad, class Out, bool kAmsgrad, int kWriteOut, bool kFrom>
-[[gnu::always_inline]] inline void update_block(const AdamW8bitArrays& a, const AdamWScalars& s, std::int64_t block,
-                                                int count, BlockMoments& moments) {
-  const std::int64_t first = block * kBlock;
-  float* __restrict param = a.param;
-  const float* __restrict param_in = a.param_in;
-  const auto* __restrict grad = static_cast<const typename Grad::storage*>(a.grad);
-  auto* __restrict out = static_cast<typename Out::storage*>(a.param_out);
-  const float scale_m = (kFrom ? a.exp_avg_in.absmax : a.exp_avg.absmax)[block];
-  const float scale_v = (kFrom ? a.exp_avg_sq_in.absmax : a.exp_avg_sq.absmax)[block];
-  const float scale_x = kAmsgrad ? (kFrom ? a.max_exp_avg_sq_in.absmax : a.max_exp_avg_sq.absmax)[block] : 0.0f;
-  float* __restrict m_buf = moments.m;
-  float* __restrict v_buf = moments.v;
-  float* __restrict x_buf = moments.max_v;
-  const AdamWScalars sc = s;  // a local copy: stores cannot alias it (adamw_cpu.cpp)
-  std::uint32_t bm = 0, bv = 0, bx = 0;
-#pragma omp simd reduction(max : bm, bv, bx)
-  for (int j = 0; j < count; ++j) {
-    const std::int64_t i = first + j;
-    float p = kFrom ? param_in[i] : param[i];
-    if constexpr (kWriteOut == kAdoptAndWrite) p = adopt_written<Out>(p, out[i]);
-    float m, v, x;
-    q8::adamw8bit_element<kAmsgrad>(p, to_f32<Grad>(grad[i]), m_buf[j], scale_m, v_buf[j], scale_v,
-                                    kAmsgrad ? x_buf[j] : 0.0f, scale_x, m, v, x, sc);
-    param[i] = p;
-    if constexpr (kWriteOut) out[i] = from_f32<Out>(p);
-    m_buf[j] = m;
-    v_buf[j] = v;
-    bm = q8::max_u32(bm, q8::abs_bits(m));
-    bv = q8::max_u32(bv, q8::abs_bits(v));
-    if constexpr (kAmsgrad) {
-      x_buf[j] = x;
-      bx = q8::max_u32(bx, q8::abs_bits(x));
-    }
-  }
-  moments.max_bits_m = bm;
-  moments.max_bits_v = bv;
-  moments.max_bits_max_v = bx;
-}
-
-// Blocks ahead whose inputs are asked for before they are needed: a block's loops take
-// their streams (codes, then param and grad) in turns, with gaps the hardware prefetcher
-// does not bridge; asking 4 blocks ahead took the step from 3.1 to 2.8 ns an element here.
-constexpr std::int64_t kPrefetchAhead = 4;
-
-template <class Grad, bool kAmsgrad, bool kFrom>
-[[gnu::always_inline]] inline void prefetch_block(const AdamW8bitArrays& a, std::int64_t first, std::int64_t end) {
-  if (first >= end) return;
-  constexpr auto kGradBytes = static_cast<std::int64_t>(sizeof(typename Grad::storage));
-  const char* grad = static_cast<const char*>(a.grad) + first * kGradBytes;
-  const char* param = reinterpret_cast<const char*>((kFrom ? a.param_in : a.param) + first);
-  const std::uint8_t* qm = (kFrom ? a.exp_avg_in.codes : a.exp_avg.codes) + first;
-  const std::uint8_t* qv = (kFrom ? a.exp_avg_sq_in.codes : a.exp_avg_sq.codes) + first;
-  const std::uint8_t* qx = kAmsgrad ? (kFrom ? a.max_exp_avg_sq_in.codes : a.max_exp_avg_sq.codes) + first : nullptr;
-  for (int line = 0; line < kBlock * 4; line += 64) {
-    __builtin_prefetch(param + line);
-    if (line < kBlock * kGradBytes) __builtin_prefetch(grad + line);
-  }
-  for (int line = 0; line < kBlock; line += 64) {
-    __builtin_prefetch(qm + line);
-    __builtin_prefetch(qv + line);
-    if constexpr (kAmsgrad) __builtin_prefetch(qx + line);
   }
 }
 
@@ -181,27 +125,28 @@ template <class Grad, class Out, bool kAmsgrad, int kWriteOut, bool kFrom>
   for (std::int64_t first = begin; first < end; first += kBlock) {
     const std::int64_t block = first / kBlock;
     const int count = static_cast<int>(std::min<std::int64_t>(kBlock, end - first));
-    prefetch_block<Grad, kAmsgrad, kFrom>(a, first + kPrefetchAhead * kBlock, end);
+    adamw8bit_detail::prefetch_block<Grad, kAmsgrad, kFrom>(a, first + adamw8bit_detail::kPrefetchAhead * kBlock, end);
     if constexpr (kAmsgrad) {
       lookup<3>({map_m.code, map_v.code, map_v.code}, {codes_m + first, codes_v + first, codes_x + first},
                 {moments.m, moments.v, moments.max_v}, count);
     } else {
       lookup<2>({map_m.code, map_v.code}, {codes_m + first, codes_v + first}, {moments.m, moments.v}, count);
     }
-    update_block<Grad, Out, kAmsgrad, kWriteOut, kFrom>(a, s, block, count, moments);
+    moments.max_bits_m = moments.max_bits_v = moments.max_bits_max_v = 0;
+    adamw8bit_detail::update_range<Grad, Out, kAmsgrad, kWriteOut, kFrom>(a, s, block, 0, count, moments);
     if constexpr (kAmsgrad) {
       float scale[3];
-      quantize_blocks<3>({moments.m, moments.v, moments.max_v},
-                         {moments.max_bits_m, moments.max_bits_v, moments.max_bits_max_v}, {&map_m, &map_v, &map_v},
-                         count, {a.exp_avg.codes + first, a.exp_avg_sq.codes + first, a.max_exp_avg_sq.codes + first},
-                         scale);
+      quantize_blocks<3, false>(
+          {moments.m, moments.v, moments.max_v}, {moments.max_bits_m, moments.max_bits_v, moments.max_bits_max_v},
+          {&map_m, &map_v, &map_v}, count,
+          {a.exp_avg.codes + first, a.exp_avg_sq.codes + first, a.max_exp_avg_sq.codes + first}, scale);
       a.max_exp_avg_sq.absmax[block] = scale[2];
       a.exp_avg.absmax[block] = scale[0];
       a.exp_avg_sq.absmax[block] = scale[1];
     } else {
       float scale[2];
-      quantize_blocks<2>({moments.m, moments.v}, {moments.max_bits_m, moments.max_bits_v}, {&map_m, &map_v}, count,
-                         {a.exp_avg.codes + first, a.exp_avg_sq.codes + first}, scale);
+      quantize_blocks<2, false>({moments.m, moments.v}, {moments.max_bits_m, moments.max_bits_v}, {&map_m, &map_v},
+                                count, {a.exp_avg.codes + first, a.exp_avg_sq.codes + first}, scale);
       a.exp_avg.absmax[block] = scale[0];
       a.exp_avg_sq.absmax[block] = scale[1];
     }
@@ -214,14 +159,22 @@ HIPFERRY_AVX2_TARGET void adamw8bit_loop_avx2(const AdamW8bitArrays& a, const Ad
                                               std::int64_t end) {
   adamw8bit_body<Grad, Out, kAmsgrad, kWriteOut, kFrom>(a, s, begin, end);
 }
+template <class Grad, class Out, bool kAmsgrad, int kWriteOut, bool kFrom>
+HIPFERRY_VBMI_TARGET void adamw8bit_loop_vbmi(const AdamW8bitArrays& a, const AdamWScalars& s, std::int64_t begin,
+                                              std::int64_t end) {
+  adamw8bit_detail::adamw8bit_body_vbmi<Grad, Out, kAmsgrad, kWriteOut, kFrom>(a, s, begin, end);
+}
 #endif
 
 template <class Grad, class Out, bool kAmsgrad, int kWriteOut, bool kFrom>
 void adamw8bit_loop(cpu::Isa isa, const AdamW8bitArrays& a, const AdamWScalars& s, std::int64_t begin,
                     std::int64_t end) {
 #ifdef HIPFERRY_HAVE_AVX2_BUILD
-  // AVX-512 CPUs run the AVX2 build too: its table lookups are scalar, and an AVX-512 build of
-  // the loop measured 1.9x slower on a Zen 4 (20 M params: 48 ms against 25 ms).
+  // An AVX-512 CPU without VBMI (Skylake-X, Cascade Lake) runs the AVX2 build: with its table
+  // reads one at a time, an AVX-512 build measured 1.9x slower on a Zen 4.
+  if (isa >= cpu::Isa::kAvx512 && q8::vbmi_available()) {
+    return adamw8bit_loop_vbmi<Grad, Out, kAmsgrad, kWriteOut, kFrom>(a, s, begin, end);
+  }
   if (isa >= cpu::Isa::kAvx2) return adamw8bit_loop_avx2<Grad, Out, kAmsgrad, kWriteOut, kFrom>(a, s, begin, end);
 #endif
   (void)isa;
@@ -244,6 +197,7 @@ void adamw8bit_pick_from(cpu::Isa isa, const AdamW8bitArrays& a, const AdamWScal
 }
 
 // The standalone quantizer and dequantizer, block by block.
+template <bool kVbmi>
 [[gnu::always_inline]] inline void quantize_body(const float* x, const q8::Quant8Map& map, std::uint8_t* codes,
                                                  float* absmax, std::int64_t begin, std::int64_t end) {
   for (std::int64_t first = begin; first < end; first += kBlock) {
@@ -253,17 +207,23 @@ void adamw8bit_pick_from(cpu::Isa isa, const AdamW8bitArrays& a, const AdamWScal
 #pragma omp simd reduction(max : bits)
     for (int j = 0; j < count; ++j) bits = q8::max_u32(bits, q8::abs_bits(xb[j]));
     float scale[1];
-    quantize_blocks<1>({xb}, {bits}, {&map}, count, {codes + first}, scale);
+    quantize_blocks<1, kVbmi>({xb}, {bits}, {&map}, count, {codes + first}, scale);
     absmax[first / kBlock] = scale[0];
   }
 }
 
-[[gnu::always_inline]] inline void dequantize_body(const std::uint8_t* codes, const float* absmax, const float* code,
-                                                   float* out, std::int64_t begin, std::int64_t end) {
+template <bool kVbmi>
+[[gnu::always_inline]] inline void dequantize_body(const std::uint8_t* codes, const float* absmax,
+                                                   const q8::Quant8Map& map, float* out, std::int64_t begin,
+                                                   std::int64_t end) {
   for (std::int64_t first = begin; first < end; first += kBlock) {
     const int count = static_cast<int>(std::min<std::int64_t>(kBlock, end - first));
     float* __restrict values = out + first;
-    lookup<1>({code}, {codes + first}, {values}, count);
+    if constexpr (kVbmi) {
+      q8::read_codes_vbmi(map, codes + first, values, count);
+    } else {
+      lookup<1>({map.code}, {codes + first}, {values}, count);
+    }
     const float scale = absmax[first / kBlock];
 #pragma omp simd
     for (int j = 0; j < count; ++j) values[j] = q8::dequantize(values[j], scale);
@@ -273,11 +233,19 @@ void adamw8bit_pick_from(cpu::Isa isa, const AdamW8bitArrays& a, const AdamWScal
 #ifdef HIPFERRY_HAVE_AVX2_BUILD
 HIPFERRY_AVX2_TARGET void quantize_avx2(const float* x, const q8::Quant8Map& map, std::uint8_t* codes, float* absmax,
                                         std::int64_t begin, std::int64_t end) {
-  quantize_body(x, map, codes, absmax, begin, end);
+  quantize_body<false>(x, map, codes, absmax, begin, end);
 }
-HIPFERRY_AVX2_TARGET void dequantize_avx2(const std::uint8_t* codes, const float* absmax, const float* code, float* out,
-                                          std::int64_t begin, std::int64_t end) {
-  dequantize_body(codes, absmax, code, out, begin, end);
+HIPFERRY_AVX2_TARGET void dequantize_avx2(const std::uint8_t* codes, const float* absmax, const q8::Quant8Map& map,
+                                          float* out, std::int64_t begin, std::int64_t end) {
+  dequantize_body<false>(codes, absmax, map, out, begin, end);
+}
+HIPFERRY_AVX512_TARGET void quantize_avx512(const float* x, const q8::Quant8Map& map, std::uint8_t* codes,
+                                            float* absmax, std::int64_t begin, std::int64_t end) {
+  quantize_body<true>(x, map, codes, absmax, begin, end);
+}
+HIPFERRY_AVX512_TARGET void dequantize_avx512(const std::uint8_t* codes, const float* absmax, const q8::Quant8Map& map,
+                                              float* out, std::int64_t begin, std::int64_t end) {
+  dequantize_body<true>(codes, absmax, map, out, begin, end);
 }
 #endif
 
@@ -311,22 +279,23 @@ void quantize_blockwise8(cpu::Isa isa, const float* x, bool is_signed, std::uint
   check_block_start("quantize_blockwise8", begin);
   const q8::Quant8Map& map = q8::quant8_map(is_signed);
 #ifdef HIPFERRY_HAVE_AVX2_BUILD
-  // (AVX-512 CPUs take the AVX2 build: the quantizer's table lookups gain nothing from wider vectors)
+  if (isa >= cpu::Isa::kAvx512 && q8::vbmi_available()) return quantize_avx512(x, map, codes, absmax, begin, end);
   if (isa >= cpu::Isa::kAvx2) return quantize_avx2(x, map, codes, absmax, begin, end);
 #endif
   (void)isa;
-  quantize_body(x, map, codes, absmax, begin, end);
+  quantize_body<false>(x, map, codes, absmax, begin, end);
 }
 
 void dequantize_blockwise8(cpu::Isa isa, const std::uint8_t* codes, const float* absmax, bool is_signed, float* out,
                            std::int64_t begin, std::int64_t end) {
   check_block_start("dequantize_blockwise8", begin);
-  const float* code = q8::quant8_map(is_signed).code;
+  const q8::Quant8Map& map = q8::quant8_map(is_signed);
 #ifdef HIPFERRY_HAVE_AVX2_BUILD
-  if (isa >= cpu::Isa::kAvx2) return dequantize_avx2(codes, absmax, code, out, begin, end);
+  if (isa >= cpu::Isa::kAvx512 && q8::vbmi_available()) return dequantize_avx512(codes, absmax, map, out, begin, end);
+  if (isa >= cpu::Isa::kAvx2) return dequantize_avx2(codes, absmax, map, out, begin, end);
 #endif
   (void)isa;
-  dequantize_body(codes, absmax, code, out, begin, end);
+  dequantize_body<false>(codes, absmax, map, out, begin, end);
 }
 
 }  // namespace hipferry::optim

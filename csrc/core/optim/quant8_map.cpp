@@ -1,6 +1,7 @@
 #include "csrc/core/optim/quant8_map.h"
 
 #include <algorithm>
+#include <cmath>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -25,6 +26,11 @@ std::vector<float> linspace_f32(float start, float end, int n) {
   }
   return out;
 }
+
+constexpr int kExponentBits = 7;  // max_exponent_bits; total_bits = 8, so 7 bits beside the sign
+// 10 ** (k - 6) as Python evaluates it (a double), then rounded to float32 as torch
+// rounds a Python scalar multiplying a float32 tensor.
+constexpr double kDecade[kExponentBits] = {1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0};
 
 [[noreturn]] void bad_bucket(std::int32_t key, const char* what) {
   throw std::logic_error("hipferry: 8-bit lookup bucket " + std::to_string(key) + " " + what);
@@ -76,6 +82,76 @@ void complete(Quant8Map& map) {
   }
 }
 
+void split_planes(const float* table, std::uint8_t (&planes)[4][kCodes]) {
+  for (int i = 0; i < kCodes; ++i) {
+    for (int b = 0; b < 4; ++b) planes[b][i] = static_cast<std::uint8_t>(f32_as_bits(table[i]) >> (8 * b));
+  }
+}
+
+float next_down(float f) { return -next_up(-f); }
+
+[[noreturn]] void bad_estimate(const Quant8Map& map, float y, const char* what) {
+  throw std::logic_error(std::string("hipferry: 8-bit ") + (map.is_signed ? "signed" : "unsigned") + " estimate_code " +
+                         what + " at y = " + std::to_string(y) + " (bits " + std::to_string(f32_as_bits(y)) + ")");
+}
+
+// estimate_code's constants (quant8_map.h). Decade d's entries start at `first` (positive
+// side), `count` of them, the centres of an even grid over [0.1, 1] * 10^(d-6); its region
+// runs from 0.1 to 1 times 10^(d-6) (the place w then runs from first - 0.5 to first +
+// count - 0.5, so the guess never passes the decade's last entry).
+void set_estimate(Quant8Map& map) {
+  for (int r = 0; r < kRegionSlots; ++r) map.region_end[r] = INFINITY;
+  const float zero_place = map.zero_code + 0.5f;  // floor: the zero code; 254 - ceil: the one below
+  map.estimate_scale[0] = 0.0f;
+  map.estimate_offset[0] = -zero_place;
+  for (int d = 0; d < kExponentBits; ++d) {
+    const int count = map.is_signed ? 1 << d : 2 << d;
+    const int first = map.is_signed ? 127 + count : count - 1;
+    const double decade = static_cast<float>(kDecade[d]);
+    map.region_end[d] = static_cast<float>(decade * 0.1);
+    map.estimate_scale[d + 1] = static_cast<float>(count / (0.9 * decade));
+    map.estimate_offset[d + 1] = static_cast<float>(count / 9.0 + 0.5 - first);
+  }
+  map.region_end[kExponentBits] = 1.0f;  // 1.0's region
+  for (int r = kRegions - 1; r < kRegionSlots; ++r) {
+    map.estimate_scale[r] = 0.0f;
+    map.estimate_offset[r] = -254.0f;  // 254: one below 1.0's code; 254 - 254 = 0 for y <= -1
+  }
+  auto region = [&](float a) {
+    int r = 0;
+    while (r < kRegions - 1 && a >= map.region_end[r]) ++r;
+    return r;
+  };
+  // A binade holds at most one region boundary (a decade spans more than three binades).
+  for (int b = 0; b < kBinadeSlots; ++b) {
+    const float lo = b == 0 ? 0.0f : std::ldexp(1.0f, b - 24);
+    map.region_of_binade[b] = region(lo);
+    if (b < 25 && region(next_down(std::ldexp(1.0f, b - 23))) > map.region_of_binade[b] + 1) {
+      bad_estimate(map, lo, "finds a binade holding two region boundaries");
+    }
+  }
+}
+
+// Checks estimate_code at every point where it or the code can change, and beside each:
+// in between, the code is constant and the guess monotone, so it holds everywhere.
+void check_estimate(const Quant8Map& map) {
+  const float top = next_up(1.0f);
+  std::vector<float> points = {0.0f, -0.0f, top, -top, 1.0f, -1.0f, f32_from_bits(1u), -f32_from_bits(1u)};
+  auto add = [&](float f) {
+    for (float p : {f, next_up(f), next_down(f), -f, next_up(-f), next_down(-f)}) {
+      if (std::fabs(p) <= top) points.push_back(p);
+    }
+  };
+  for (int i = 0; i + 1 < kCodes; ++i) add(map.threshold[i]);
+  for (int r = 0; r < kRegions - 1; ++r) add(map.region_end[r]);
+  for (int b = 1; b < 25; ++b) add(std::ldexp(1.0f, b - 24));
+  for (float y : points) {
+    const int guess = estimate_code(y, map);
+    const int code = code_search(y, map.threshold);
+    if (guess < 0 || guess > 255 || guess > code || code > guess + 1) bad_estimate(map, y, "misses the code");
+  }
+}
+
 std::unique_ptr<Quant8Map> build(bool is_signed) {
   auto map = std::make_unique<Quant8Map>();
   const std::array<float, kCodes> code = dynamic_map(is_signed);
@@ -83,16 +159,16 @@ std::unique_ptr<Quant8Map> build(bool is_signed) {
   map->is_signed = is_signed;
   map->zero_code = static_cast<std::uint8_t>(std::find(code.begin(), code.end(), 0.0f) - code.begin());
   complete(*map);
+  split_planes(map->code, map->code_planes);
+  split_planes(map->threshold, map->threshold_planes);
+  set_estimate(*map);
+  check_estimate(*map);
   return map;
 }
 
 }  // namespace
 
 std::array<float, kCodes> dynamic_map(bool is_signed) {
-  constexpr int kExponentBits = 7;  // max_exponent_bits; total_bits = 8, so 7 bits beside the sign
-  // 10 ** (k - 6) as Python evaluates it (a double), then rounded to float32 as torch
-  // rounds a Python scalar multiplying a float32 tensor.
-  static constexpr double kDecade[kExponentBits] = {1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0};
   std::vector<float> data;
   for (int k = 0; k < kExponentBits; ++k) {
     const int fraction_items = is_signed ? (1 << k) + 1 : (1 << (k + 1)) + 1;

@@ -21,9 +21,13 @@
 // threshold: one table read and one integer comparison give y's code. Both facts are
 // checked when the map is built, which makes quantize_lut(y) == code_search(y) for every y
 // but NaN (never asked: see quant8.h).
+//
+// For the in-register quantizer (quant8_vbmi.h) the map also keeps each table's bytes as
+// four planes and the constants of estimate_code, an arithmetic guess at y's code.
 #pragma once
 
 #include <array>
+#include <cmath>
 #include <cstdint>
 
 #include "csrc/core/optim/quant8.h"
@@ -44,12 +48,26 @@ constexpr std::int32_t kLutSize = 2 * (kLutSpan + 1);
 constexpr int kLutCodeShift = 17;
 constexpr std::uint32_t kLutNoThreshold = 0x10000u;  // above every 16-bit order value
 
+// Regions of |y| for estimate_code: 0 below the map's smallest nonzero entry (its
+// threshold with 0), 1..7 the decades of entries, 8 the entry 1.0; padded to 16 (a register).
+constexpr int kRegions = 9;
+constexpr int kRegionSlots = 16;
+constexpr int kBinadeSlots = 32;  // |y|'s biased exponent - 103, clamped at 0 (2^-24 and below: slot 0)
+
 struct Quant8Map {
   float code[kCodes];          // ascending: dynamic_map(is_signed)
   float threshold[kCodes];     // [i] between code[i] and code[i+1]; [255] is NaN (never <= y)
   std::int32_t lut[kLutSize];  // packed entries, see kLutCodeShift
   std::uint8_t zero_code;      // the index of 0.0 in code
   bool is_signed;
+  // Byte b of code[i] and threshold[i] at [b][i]: 64-byte rows for byte-table instructions.
+  alignas(64) std::uint8_t code_planes[4][kCodes];
+  alignas(64) std::uint8_t threshold_planes[4][kCodes];
+  // estimate_code's constants, by region (slots past kRegions repeat the last region).
+  alignas(64) std::int32_t region_of_binade[kBinadeSlots];  // the region where the binade starts
+  alignas(64) float region_end[kRegionSlots];               // |y| from which the next region starts
+  alignas(64) float estimate_scale[kRegionSlots];
+  alignas(64) float estimate_offset[kRegionSlots];
 };
 
 // Built on first use and checked (std::logic_error if the lookup could disagree with the search).
@@ -70,6 +88,34 @@ inline std::uint32_t lut_order(std::uint32_t y_bits) { return (y_bits ^ (0u - (y
 inline int lut_code(std::int32_t entry, std::uint32_t order) {
   const auto e = static_cast<std::uint32_t>(entry);
   return static_cast<int>((e >> kLutCodeShift) + (order >= (e & ((1u << kLutCodeShift) - 1)) ? 1u : 0u));
+}
+
+// A guess at code_search(y, map.threshold) from arithmetic alone: that code or the one below
+// it, for every finite |y| <= 1 + 2^-23 (what a quantizer asks), so one comparison with
+// threshold[guess] finishes the search. |y|'s region is a decade [0.1, 1) * 10^(d-6) of
+// entries, or below them, or 1.0 and up: the region where its binade starts, and one
+// comparison for the rest (a binade spans at most one region boundary). In a decade the
+// entries sit at the centres of an even grid, so w = |y| * scale - offset is |y|'s place
+// in entries, shifted down by half an entry: the guess errs low, never high. Negative y
+// count down from the mirrored entry (the signed map is symmetric but for 1.0; the
+// unsigned map's code of any y < 0 is 0). The guess is monotone in y between region
+// boundaries, so checking it at every threshold and boundary, and the floats beside them,
+// proves it for every y; quant8_map does that when it builds the map. The vector code
+// (quant8_vbmi.cpp) does these operations lane for lane.
+inline int estimate_code(float y, const Quant8Map& map) {
+  const std::uint32_t bits = f32_as_bits(y);
+  const std::uint32_t abs_bits = bits & 0x7fffffffu;
+  const float a = f32_from_bits(abs_bits);
+  std::int32_t binade = static_cast<std::int32_t>(abs_bits >> 23) - 103;
+  binade = binade < 0 ? 0 : binade;
+  std::int32_t r = map.region_of_binade[binade & (kBinadeSlots - 1)];
+  r += a >= map.region_end[r & (kRegionSlots - 1)] ? 1 : 0;
+  r &= kRegionSlots - 1;
+  const float w = a * map.estimate_scale[r] - map.estimate_offset[r];
+  if ((bits >> 31) == 0) return static_cast<int>(std::floor(w));
+  if (!map.is_signed) return 0;
+  const int mirrored = 254 - static_cast<int>(std::ceil(w));
+  return mirrored < 0 ? 0 : mirrored;  // past the signed map's last negative entry
 }
 
 // code_search(y, threshold) for every y but NaN, in one table read.
