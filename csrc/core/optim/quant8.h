@@ -26,9 +26,11 @@
 //     a shared scale. Nothing reads out of bounds: the quantizer only sees finite y with
 //     |y| <= 1 + 2^-23 (|x| <= scale), and clamps whatever it is given to the table.
 // The quantizer here is a branch-free binary search over the 255 decision thresholds (the
-// GPU's; the tables live in shared memory there). The CPU loop finds the same index with a
-// lookup table and one comparison (quant8_map.h; equal by construction, checked when the
-// table is built). Both are comparisons of floats only: no rounding can differ.
+// GPU's; the tables live in shared memory there). The CPU loops find the same index with a
+// lookup table and one comparison (quant8_map.h), or, with AVX-512 VBMI, with an arithmetic
+// guess and one comparison with the threshold above it (quant8_vbmi.h); each is equal to
+// the search by construction, checked when the table is built. All of them decide by
+// comparisons of floats: no rounding can differ.
 #pragma once
 
 #include <cstdint>

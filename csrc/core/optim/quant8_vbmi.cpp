@@ -1,10 +1,5 @@
 #include "csrc/core/optim/quant8_vbmi.h"
 
-#ifdef HIPFERRY_HAVE_AVX512_BUILD
-// GCC 12 warns inside its own AVX-512 headers (their _mm512_undefined_* placeholders).
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-
 namespace hipferry::optim::q8 {
 
 #ifdef HIPFERRY_HAVE_AVX512_BUILD

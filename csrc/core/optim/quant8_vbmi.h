@@ -18,6 +18,12 @@
 
 #ifdef HIPFERRY_HAVE_AVX512_BUILD
 #include <immintrin.h>
+#ifndef __clang__
+// GCC 12 warns inside its own AVX-512 headers wherever these pieces are inlined (the
+// _mm512_undefined_* placeholders of its intrinsics); the files that include this one
+// (quant8_vbmi.cpp, adamw8bit_cpu.cpp) do so with the warning off.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #define HIPFERRY_VBMI_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vbmi")))
 #define HIPFERRY_VBMI_INLINE \
   __attribute__((always_inline, target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vbmi")))
