@@ -25,6 +25,7 @@ namespace hipferry::optim {
 namespace {
 
 using adamw8bit_detail::BlockMoments;
+using adamw8bit_detail::InputCodes;
 using adamw8bit_detail::kAdoptAndWrite;
 using adamw8bit_detail::kNoOut;
 using adamw8bit_detail::kWrite;
@@ -118,19 +119,17 @@ template <class Grad, class Out, bool kAmsgrad, int kWriteOut, bool kFrom>
                                                   std::int64_t end) {
   const q8::Quant8Map& map_m = q8::quant8_map(true);
   const q8::Quant8Map& map_v = q8::quant8_map(false);
-  const std::uint8_t* codes_m = kFrom ? a.exp_avg_in.codes : a.exp_avg.codes;
-  const std::uint8_t* codes_v = kFrom ? a.exp_avg_sq_in.codes : a.exp_avg_sq.codes;
-  const std::uint8_t* codes_x = kFrom ? a.max_exp_avg_sq_in.codes : a.max_exp_avg_sq.codes;
+  const InputCodes in = adamw8bit_detail::input_codes<kFrom>(a);
   BlockMoments moments;
   for (std::int64_t first = begin; first < end; first += kBlock) {
     const std::int64_t block = first / kBlock;
     const int count = static_cast<int>(std::min<std::int64_t>(kBlock, end - first));
     adamw8bit_detail::prefetch_block<Grad, kAmsgrad, kFrom>(a, first + adamw8bit_detail::kPrefetchAhead * kBlock, end);
     if constexpr (kAmsgrad) {
-      lookup<3>({map_m.code, map_v.code, map_v.code}, {codes_m + first, codes_v + first, codes_x + first},
+      lookup<3>({map_m.code, map_v.code, map_v.code}, {in.m + first, in.v + first, in.max_v + first},
                 {moments.m, moments.v, moments.max_v}, count);
     } else {
-      lookup<2>({map_m.code, map_v.code}, {codes_m + first, codes_v + first}, {moments.m, moments.v}, count);
+      lookup<2>({map_m.code, map_v.code}, {in.m + first, in.v + first}, {moments.m, moments.v}, count);
     }
     moments.max_bits_m = moments.max_bits_v = moments.max_bits_max_v = 0;
     adamw8bit_detail::update_range<Grad, Out, kAmsgrad, kWriteOut, kFrom>(a, s, block, 0, count, moments);
@@ -196,58 +195,72 @@ void adamw8bit_pick_from(cpu::Isa isa, const AdamW8bitArrays& a, const AdamWScal
   }
 }
 
-// The standalone quantizer and dequantizer, block by block.
-template <bool kVbmi>
-[[gnu::always_inline]] inline void quantize_body(const float* x, const q8::Quant8Map& map, std::uint8_t* codes,
-                                                 float* absmax, std::int64_t begin, std::int64_t end) {
-  for (std::int64_t first = begin; first < end; first += kBlock) {
-    const int count = static_cast<int>(std::min<std::int64_t>(kBlock, end - first));
-    const float* __restrict xb = x + first;
-    std::uint32_t bits = 0;
-#pragma omp simd reduction(max : bits)
-    for (int j = 0; j < count; ++j) bits = q8::max_u32(bits, q8::abs_bits(xb[j]));
-    float scale[1];
-    quantize_blocks<1, kVbmi>({xb}, {bits}, {&map}, count, {codes + first}, scale);
-    absmax[first / kBlock] = scale[0];
-  }
-}
+// The standalone quantizer and dequantizer, block by block, each a pass that run_pass runs
+// in the build the CPU and `isa` allow.
+struct QuantizePass {
+  const float* x;
+  const q8::Quant8Map& map;
+  std::uint8_t* codes;
+  float* absmax;
 
-template <bool kVbmi>
-[[gnu::always_inline]] inline void dequantize_body(const std::uint8_t* codes, const float* absmax,
-                                                   const q8::Quant8Map& map, float* out, std::int64_t begin,
-                                                   std::int64_t end) {
-  for (std::int64_t first = begin; first < end; first += kBlock) {
-    const int count = static_cast<int>(std::min<std::int64_t>(kBlock, end - first));
-    float* __restrict values = out + first;
-    if constexpr (kVbmi) {
-      q8::read_codes_vbmi(map, codes + first, values, count);
-    } else {
-      lookup<1>({map.code}, {codes + first}, {values}, count);
+  template <bool kVbmi>
+  [[gnu::always_inline]] void run(std::int64_t begin, std::int64_t end) const {
+    for (std::int64_t first = begin; first < end; first += kBlock) {
+      const int count = static_cast<int>(std::min<std::int64_t>(kBlock, end - first));
+      const float* __restrict xb = x + first;
+      std::uint32_t bits = 0;
+#pragma omp simd reduction(max : bits)
+      for (int j = 0; j < count; ++j) bits = q8::max_u32(bits, q8::abs_bits(xb[j]));
+      float scale[1];
+      quantize_blocks<1, kVbmi>({xb}, {bits}, {&map}, count, {codes + first}, scale);
+      absmax[first / kBlock] = scale[0];
     }
-    const float scale = absmax[first / kBlock];
-#pragma omp simd
-    for (int j = 0; j < count; ++j) values[j] = q8::dequantize(values[j], scale);
   }
-}
+};
+
+struct DequantizePass {
+  const std::uint8_t* codes;
+  const float* absmax;
+  const q8::Quant8Map& map;
+  float* out;
+
+  template <bool kVbmi>
+  [[gnu::always_inline]] void run(std::int64_t begin, std::int64_t end) const {
+    for (std::int64_t first = begin; first < end; first += kBlock) {
+      const int count = static_cast<int>(std::min<std::int64_t>(kBlock, end - first));
+      float* __restrict values = out + first;
+      if constexpr (kVbmi) {
+        q8::read_codes_vbmi(map, codes + first, values, count);
+      } else {
+        lookup<1>({map.code}, {codes + first}, {values}, count);
+      }
+      const float scale = absmax[first / kBlock];
+#pragma omp simd
+      for (int j = 0; j < count; ++j) values[j] = q8::dequantize(values[j], scale);
+    }
+  }
+};
 
 #ifdef HIPFERRY_HAVE_AVX2_BUILD
-HIPFERRY_AVX2_TARGET void quantize_avx2(const float* x, const q8::Quant8Map& map, std::uint8_t* codes, float* absmax,
-                                        std::int64_t begin, std::int64_t end) {
-  quantize_body<false>(x, map, codes, absmax, begin, end);
+template <class Pass>
+HIPFERRY_AVX2_TARGET void run_avx2(const Pass& pass, std::int64_t begin, std::int64_t end) {
+  pass.template run<false>(begin, end);
 }
-HIPFERRY_AVX2_TARGET void dequantize_avx2(const std::uint8_t* codes, const float* absmax, const q8::Quant8Map& map,
-                                          float* out, std::int64_t begin, std::int64_t end) {
-  dequantize_body<false>(codes, absmax, map, out, begin, end);
-}
-HIPFERRY_AVX512_TARGET void quantize_avx512(const float* x, const q8::Quant8Map& map, std::uint8_t* codes,
-                                            float* absmax, std::int64_t begin, std::int64_t end) {
-  quantize_body<true>(x, map, codes, absmax, begin, end);
-}
-HIPFERRY_AVX512_TARGET void dequantize_avx512(const std::uint8_t* codes, const float* absmax, const q8::Quant8Map& map,
-                                              float* out, std::int64_t begin, std::int64_t end) {
-  dequantize_body<true>(codes, absmax, map, out, begin, end);
+template <class Pass>
+HIPFERRY_VBMI_TARGET void run_vbmi(const Pass& pass, std::int64_t begin, std::int64_t end) {
+  pass.template run<true>(begin, end);
 }
 #endif
+
+template <class Pass>
+void run_pass(cpu::Isa isa, const Pass& pass, std::int64_t begin, std::int64_t end) {
+#ifdef HIPFERRY_HAVE_AVX2_BUILD
+  if (isa >= cpu::Isa::kAvx512 && q8::vbmi_available()) return run_vbmi(pass, begin, end);
+  if (isa >= cpu::Isa::kAvx2) return run_avx2(pass, begin, end);
+#endif
+  (void)isa;
+  pass.template run<false>(begin, end);
+}
 
 void check_block_start(const char* what, std::int64_t begin) {
   if (begin % kBlock != 0) {
@@ -277,25 +290,13 @@ void adamw8bit_cpu(const AdamW8bitArrays& a, const AdamWScalars& s, std::int64_t
 void quantize_blockwise8(cpu::Isa isa, const float* x, bool is_signed, std::uint8_t* codes, float* absmax,
                          std::int64_t begin, std::int64_t end) {
   check_block_start("quantize_blockwise8", begin);
-  const q8::Quant8Map& map = q8::quant8_map(is_signed);
-#ifdef HIPFERRY_HAVE_AVX2_BUILD
-  if (isa >= cpu::Isa::kAvx512 && q8::vbmi_available()) return quantize_avx512(x, map, codes, absmax, begin, end);
-  if (isa >= cpu::Isa::kAvx2) return quantize_avx2(x, map, codes, absmax, begin, end);
-#endif
-  (void)isa;
-  quantize_body<false>(x, map, codes, absmax, begin, end);
+  run_pass(isa, QuantizePass{x, q8::quant8_map(is_signed), codes, absmax}, begin, end);
 }
 
 void dequantize_blockwise8(cpu::Isa isa, const std::uint8_t* codes, const float* absmax, bool is_signed, float* out,
                            std::int64_t begin, std::int64_t end) {
   check_block_start("dequantize_blockwise8", begin);
-  const q8::Quant8Map& map = q8::quant8_map(is_signed);
-#ifdef HIPFERRY_HAVE_AVX2_BUILD
-  if (isa >= cpu::Isa::kAvx512 && q8::vbmi_available()) return dequantize_avx512(codes, absmax, map, out, begin, end);
-  if (isa >= cpu::Isa::kAvx2) return dequantize_avx2(codes, absmax, map, out, begin, end);
-#endif
-  (void)isa;
-  dequantize_body<false>(codes, absmax, map, out, begin, end);
+  run_pass(isa, DequantizePass{codes, absmax, q8::quant8_map(is_signed), out}, begin, end);
 }
 
 }  // namespace hipferry::optim

@@ -49,9 +49,7 @@ HIPFERRY_VBMI_INLINE inline void adamw8bit_body_vbmi(const AdamW8bitArrays& a, c
   const q8::Quant8Map& map_v = q8::quant8_map(false);
   const VbmiTables t{q8::vbmi::reader(map_m), q8::vbmi::reader(map_v), q8::vbmi::quantizer(map_m),
                      q8::vbmi::quantizer(map_v)};
-  const std::uint8_t* codes_m = kFrom ? a.exp_avg_in.codes : a.exp_avg.codes;
-  const std::uint8_t* codes_v = kFrom ? a.exp_avg_sq_in.codes : a.exp_avg_sq.codes;
-  const std::uint8_t* codes_x = kFrom ? a.max_exp_avg_sq_in.codes : a.max_exp_avg_sq.codes;
+  const InputCodes in = input_codes<kFrom>(a);
   BlockMoments moments;
   for (std::int64_t first = begin; first < end; first += kBlock) {
     const std::int64_t block = first / kBlock;
@@ -59,14 +57,14 @@ HIPFERRY_VBMI_INLINE inline void adamw8bit_body_vbmi(const AdamW8bitArrays& a, c
     prefetch_block<Grad, kAmsgrad, kFrom>(a, first + kPrefetchAhead * kBlock, end);
     int j = 0;
     for (; j + kVector <= count; j += kVector) {
-      q8::vbmi::read64(t.read_m, codes_m + first + j, moments.m + j);
-      q8::vbmi::read64(t.read_v, codes_v + first + j, moments.v + j);
-      if constexpr (kAmsgrad) q8::vbmi::read64(t.read_v, codes_x + first + j, moments.max_v + j);
+      q8::vbmi::read64(t.read_m, in.m + first + j, moments.m + j);
+      q8::vbmi::read64(t.read_v, in.v + first + j, moments.v + j);
+      if constexpr (kAmsgrad) q8::vbmi::read64(t.read_v, in.max_v + first + j, moments.max_v + j);
     }
     if (j < count) {  // a short last block's tail
-      q8::read_codes_vbmi(map_m, codes_m + first + j, moments.m + j, count - j);
-      q8::read_codes_vbmi(map_v, codes_v + first + j, moments.v + j, count - j);
-      if constexpr (kAmsgrad) q8::read_codes_vbmi(map_v, codes_x + first + j, moments.max_v + j, count - j);
+      q8::read_codes_vbmi(map_m, in.m + first + j, moments.m + j, count - j);
+      q8::read_codes_vbmi(map_v, in.v + first + j, moments.v + j, count - j);
+      if constexpr (kAmsgrad) q8::read_codes_vbmi(map_v, in.max_v + first + j, moments.max_v + j, count - j);
     }
     moments.max_bits_m = moments.max_bits_v = moments.max_bits_max_v = 0;
     update_range<Grad, Out, kAmsgrad, kWriteOut, kFrom>(a, s, block, 0, count, moments);
