@@ -159,8 +159,8 @@ HIPFERRY_AVX2_TARGET void adamw8bit_loop_avx2(const AdamW8bitArrays& a, const Ad
   adamw8bit_body<Grad, Out, kAmsgrad, kWriteOut, kFrom>(a, s, begin, end);
 }
 template <class Grad, class Out, bool kAmsgrad, int kWriteOut, bool kFrom>
-HIPFERRY_VBMI_TARGET void adamw8bit_loop_vbmi(const AdamW8bitArrays& a, const AdamWScalars& s, std::int64_t begin,
-                                              std::int64_t end) {
+HIPFERRY_AVX512_TARGET void adamw8bit_loop_vbmi(const AdamW8bitArrays& a, const AdamWScalars& s, std::int64_t begin,
+                                                std::int64_t end) {
   adamw8bit_detail::adamw8bit_body_vbmi<Grad, Out, kAmsgrad, kWriteOut, kFrom>(a, s, begin, end);
 }
 #endif
@@ -247,7 +247,7 @@ HIPFERRY_AVX2_TARGET void run_avx2(const Pass& pass, std::int64_t begin, std::in
   pass.template run<false>(begin, end);
 }
 template <class Pass>
-HIPFERRY_VBMI_TARGET void run_vbmi(const Pass& pass, std::int64_t begin, std::int64_t end) {
+HIPFERRY_AVX512_TARGET void run_vbmi(const Pass& pass, std::int64_t begin, std::int64_t end) {
   pass.template run<true>(begin, end);
 }
 #endif
