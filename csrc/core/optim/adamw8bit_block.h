@@ -1,6 +1,6 @@
-// What every build of the 8-bit AdamW loop does to one block of 256 (adamw8bit_cpu.cpp,
-// adamw8bit_vbmi_body.h): the element code's update over a block's elements, with the
-// block's new largest magnitudes, and the prefetches ahead of it. Internal to those files.
+// What every build of the 8-bit AdamW loop (adamw8bit_cpu.cpp) does to one block of 256:
+// the element code's update over the block, with its new largest magnitudes, and the
+// prefetches ahead of it. Internal to that file.
 #pragma once
 
 #include <cstdint>
@@ -23,12 +23,11 @@ struct BlockMoments {
   std::uint32_t max_bits_m = 0, max_bits_v = 0, max_bits_max_v = 0;
 };
 
-// Elements [from, to) of a block. kFrom: out of place (the *_in arrays are read, apart from
-// every array written). `moments` holds the old codes' table entries there on entry and the
-// new moments on return; its largest magnitudes take these elements' in.
+// kFrom: out of place (the *_in arrays are read, apart from every array written).
+// `moments` holds the old codes' table entries on entry and the new moments on return.
 template <class Grad, class Out, bool kAmsgrad, int kWriteOut, bool kFrom>
-[[gnu::always_inline]] inline void update_range(const AdamW8bitArrays& a, const AdamWScalars& s, std::int64_t block,
-                                                int from, int to, BlockMoments& moments) {
+[[gnu::always_inline]] inline void update_block(const AdamW8bitArrays& a, const AdamWScalars& s, std::int64_t block,
+                                                int count, BlockMoments& moments) {
   const std::int64_t first = block * kBlock;
   float* __restrict param = a.param;
   const float* __restrict param_in = a.param_in;
@@ -41,9 +40,9 @@ template <class Grad, class Out, bool kAmsgrad, int kWriteOut, bool kFrom>
   float* __restrict v_buf = moments.v;
   float* __restrict x_buf = moments.max_v;
   const AdamWScalars sc = s;  // a local copy: stores cannot alias it (adamw_cpu.cpp)
-  std::uint32_t bm = moments.max_bits_m, bv = moments.max_bits_v, bx = moments.max_bits_max_v;
+  std::uint32_t bm = 0, bv = 0, bx = 0;
 #pragma omp simd reduction(max : bm, bv, bx)
-  for (int j = from; j < to; ++j) {
+  for (int j = 0; j < count; ++j) {
     const std::int64_t i = first + j;
     float p = kFrom ? param_in[i] : param[i];
     if constexpr (kWriteOut == kAdoptAndWrite) p = adopt_written<Out>(p, out[i]);
@@ -90,9 +89,10 @@ template <class Grad, bool kAmsgrad, bool kFrom>
   constexpr auto kGradBytes = static_cast<std::int64_t>(sizeof(typename Grad::storage));
   const char* grad = static_cast<const char*>(a.grad) + first * kGradBytes;
   const char* param = reinterpret_cast<const char*>((kFrom ? a.param_in : a.param) + first);
-  const std::uint8_t* qm = (kFrom ? a.exp_avg_in.codes : a.exp_avg.codes) + first;
-  const std::uint8_t* qv = (kFrom ? a.exp_avg_sq_in.codes : a.exp_avg_sq.codes) + first;
-  const std::uint8_t* qx = kAmsgrad ? (kFrom ? a.max_exp_avg_sq_in.codes : a.max_exp_avg_sq.codes) + first : nullptr;
+  const InputCodes in = input_codes<kFrom>(a);
+  const std::uint8_t* qm = in.m + first;
+  const std::uint8_t* qv = in.v + first;
+  const std::uint8_t* qx = kAmsgrad ? in.max_v + first : nullptr;
   for (int line = 0; line < kBlock * 4; line += 64) {
     __builtin_prefetch(param + line);
     if (line < kBlock * kGradBytes) __builtin_prefetch(grad + line);

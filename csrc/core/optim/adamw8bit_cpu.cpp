@@ -6,7 +6,6 @@
 
 #include "csrc/core/dispatch.h"
 #include "csrc/core/optim/adamw8bit_block.h"
-#include "csrc/core/optim/adamw8bit_vbmi_body.h"
 #include "csrc/core/optim/quant8_map.h"
 #include "csrc/core/optim/quant8_vbmi.h"
 
@@ -17,8 +16,8 @@
 // (adamw8bit_block.h); the lookup keys of the new values; the lookup; the codes. Each loop
 // sits in its own function, so the codes a block reads first and writes last (in place)
 // are never reached through two __restrict pointers in one scope. The VBMI build
-// (adamw8bit_vbmi_body.h) reads the tables and quantizes in registers instead; the AVX-512
-// CPUs without VBMI run the AVX2 build. Every build gives the same bits: table reads are
+// (kVbmi) reads the tables and quantizes in registers instead; the AVX-512 CPUs without
+// VBMI run the AVX2 build. Every build gives the same bits: table reads are
 // reads, and both quantizers find code_search's code.
 
 namespace hipferry::optim {
@@ -104,8 +103,18 @@ template <int kStates, bool kVbmi>
     scale[k] = q8::block_scale(max_bits[k]);
     n[k] = q8::normalizer(scale[k]);
   }
-  if constexpr (kVbmi) {
-    for (int k = 0; k < kStates; ++k) q8::quantize_vbmi(*map[k], x[k], n[k], codes[k], count);
+  if constexpr (kVbmi && kStates == 1) {
+    q8::quantize_vbmi(*map[0], x[0], n[0], codes[0], count);
+  } else if constexpr (kVbmi) {  // a block's moments: m, v (and max_v), the maps in that order
+    const float* xs[3] = {};
+    q8::Normalizer ns[3] = {};
+    std::uint8_t* out[3] = {};
+    for (int k = 0; k < kStates; ++k) {
+      xs[k] = x[k];
+      ns[k] = n[k];
+      out[k] = codes[k];
+    }
+    q8::quantize_moments_vbmi(xs, ns, out, kStates, count);
   } else {
     lookup_quantize<kStates>(x, n, map, count, codes);
   }
@@ -114,7 +123,13 @@ template <int kStates, bool kVbmi>
   }
 }
 
-template <class Grad, class Out, bool kAmsgrad, int kWriteOut, bool kFrom>
+// kVbmi: the VBMI build, whose table reads and quantizer run in registers, one call a block
+// each (quant8_vbmi.h). Measured and left out (one thread, the loop alone): the vector
+// pieces inlined here, 1.58 against 1.61 ns an element at 10 M, but compiled once per
+// element type (the sanitizer build took 3.7 minutes over this file); two blocks at once,
+// the update of one between the quantizer's pieces of the other, 1.54 against 1.42 ns an
+// element in cache: the loop is bound by the instructions it issues, not by the divider.
+template <class Grad, class Out, bool kAmsgrad, int kWriteOut, bool kFrom, bool kVbmi>
 [[gnu::always_inline]] inline void adamw8bit_body(const AdamW8bitArrays& a, const AdamWScalars& s, std::int64_t begin,
                                                   std::int64_t end) {
   const q8::Quant8Map& map_m = q8::quant8_map(true);
@@ -125,17 +140,19 @@ template <class Grad, class Out, bool kAmsgrad, int kWriteOut, bool kFrom>
     const std::int64_t block = first / kBlock;
     const int count = static_cast<int>(std::min<std::int64_t>(kBlock, end - first));
     adamw8bit_detail::prefetch_block<Grad, kAmsgrad, kFrom>(a, first + adamw8bit_detail::kPrefetchAhead * kBlock, end);
-    if constexpr (kAmsgrad) {
+    if constexpr (kVbmi) {
+      q8::read_moments_vbmi({in.m + first, in.v + first, kAmsgrad ? in.max_v + first : nullptr},
+                            {moments.m, moments.v, moments.max_v}, kAmsgrad ? 3 : 2, count);
+    } else if constexpr (kAmsgrad) {
       lookup<3>({map_m.code, map_v.code, map_v.code}, {in.m + first, in.v + first, in.max_v + first},
                 {moments.m, moments.v, moments.max_v}, count);
     } else {
       lookup<2>({map_m.code, map_v.code}, {in.m + first, in.v + first}, {moments.m, moments.v}, count);
     }
-    moments.max_bits_m = moments.max_bits_v = moments.max_bits_max_v = 0;
-    adamw8bit_detail::update_range<Grad, Out, kAmsgrad, kWriteOut, kFrom>(a, s, block, 0, count, moments);
+    adamw8bit_detail::update_block<Grad, Out, kAmsgrad, kWriteOut, kFrom>(a, s, block, count, moments);
     if constexpr (kAmsgrad) {
       float scale[3];
-      quantize_blocks<3, false>(
+      quantize_blocks<3, kVbmi>(
           {moments.m, moments.v, moments.max_v}, {moments.max_bits_m, moments.max_bits_v, moments.max_bits_max_v},
           {&map_m, &map_v, &map_v}, count,
           {a.exp_avg.codes + first, a.exp_avg_sq.codes + first, a.max_exp_avg_sq.codes + first}, scale);
@@ -144,7 +161,7 @@ template <class Grad, class Out, bool kAmsgrad, int kWriteOut, bool kFrom>
       a.exp_avg_sq.absmax[block] = scale[1];
     } else {
       float scale[2];
-      quantize_blocks<2, false>({moments.m, moments.v}, {moments.max_bits_m, moments.max_bits_v}, {&map_m, &map_v},
+      quantize_blocks<2, kVbmi>({moments.m, moments.v}, {moments.max_bits_m, moments.max_bits_v}, {&map_m, &map_v},
                                 count, {a.exp_avg.codes + first, a.exp_avg_sq.codes + first}, scale);
       a.exp_avg.absmax[block] = scale[0];
       a.exp_avg_sq.absmax[block] = scale[1];
@@ -156,12 +173,12 @@ template <class Grad, class Out, bool kAmsgrad, int kWriteOut, bool kFrom>
 template <class Grad, class Out, bool kAmsgrad, int kWriteOut, bool kFrom>
 HIPFERRY_AVX2_TARGET void adamw8bit_loop_avx2(const AdamW8bitArrays& a, const AdamWScalars& s, std::int64_t begin,
                                               std::int64_t end) {
-  adamw8bit_body<Grad, Out, kAmsgrad, kWriteOut, kFrom>(a, s, begin, end);
+  adamw8bit_body<Grad, Out, kAmsgrad, kWriteOut, kFrom, false>(a, s, begin, end);
 }
 template <class Grad, class Out, bool kAmsgrad, int kWriteOut, bool kFrom>
 HIPFERRY_AVX512_TARGET void adamw8bit_loop_vbmi(const AdamW8bitArrays& a, const AdamWScalars& s, std::int64_t begin,
                                                 std::int64_t end) {
-  adamw8bit_detail::adamw8bit_body_vbmi<Grad, Out, kAmsgrad, kWriteOut, kFrom>(a, s, begin, end);
+  adamw8bit_body<Grad, Out, kAmsgrad, kWriteOut, kFrom, true>(a, s, begin, end);
 }
 #endif
 
@@ -177,7 +194,7 @@ void adamw8bit_loop(cpu::Isa isa, const AdamW8bitArrays& a, const AdamWScalars& 
   if (isa >= cpu::Isa::kAvx2) return adamw8bit_loop_avx2<Grad, Out, kAmsgrad, kWriteOut, kFrom>(a, s, begin, end);
 #endif
   (void)isa;
-  adamw8bit_body<Grad, Out, kAmsgrad, kWriteOut, kFrom>(a, s, begin, end);
+  adamw8bit_body<Grad, Out, kAmsgrad, kWriteOut, kFrom, false>(a, s, begin, end);
 }
 
 template <class Grad, class Out, bool kFrom>

@@ -130,6 +130,16 @@ HIPFERRY_VBMI_INLINE void quantize64(const Quantizer& q, const float* x, Normali
   _mm512_storeu_si512(codes, _mm512_mask_sub_epi8(guess, past, guess, _mm512_set1_epi8(-1)));
 }
 
+// The elements [from, count) past the last whole vector, one at a time: the table read, and
+// the lookup table's code (quant8_map.h), equal to the vector pieces' results.
+void read_rest(const Quant8Map& map, const std::uint8_t* codes, float* out, int from, int count) {
+  for (int j = from; j < count; ++j) out[j] = map.code[codes[j]];
+}
+
+void quantize_rest(const Quant8Map& map, const float* x, Normalizer n, std::uint8_t* codes, int from, int count) {
+  for (int j = from; j < count; ++j) codes[j] = static_cast<std::uint8_t>(quantize_lut(normalize(x[j], n), map.lut));
+}
+
 // m's tables (the signed map) and v's (the unsigned one, max_v's too).
 struct MomentTables {
   Reader read[2];
@@ -149,9 +159,7 @@ HIPFERRY_VBMI_TARGET void read_moments(const std::uint8_t* const (&codes)[3], fl
   for (; j + kVector <= count; j += kVector) {
     for (int k = 0; k < kStates; ++k) read64(t.read[k == 0 ? 0 : 1], codes[k] + j, out[k] + j);
   }
-  for (int k = 0; k < kStates; ++k) {
-    for (int i = j; i < count; ++i) out[k][i] = quant8_map(k == 0).code[codes[k][i]];
-  }
+  for (int k = 0; k < kStates; ++k) read_rest(quant8_map(k == 0), codes[k], out[k], j, count);
 }
 
 template <int kStates>
@@ -163,11 +171,7 @@ HIPFERRY_VBMI_TARGET void quantize_moments(const float* const (&x)[3], const Nor
     quantize64<true>(t.quantize[0], x[0] + j, n[0], codes[0] + j);
     for (int k = 1; k < kStates; ++k) quantize64<false>(t.quantize[1], x[k] + j, n[k], codes[k] + j);
   }
-  for (int k = 0; k < kStates; ++k) {
-    const Quant8Map& map = quant8_map(k == 0);
-    for (int i = j; i < count; ++i)
-      codes[k][i] = static_cast<std::uint8_t>(quantize_lut(normalize(x[k][i], n[k]), map.lut));
-  }
+  for (int k = 0; k < kStates; ++k) quantize_rest(quant8_map(k == 0), x[k], n[k], codes[k], j, count);
 }
 
 template <bool kSigned>
@@ -188,13 +192,13 @@ HIPFERRY_VBMI_TARGET void read_codes_vbmi(const Quant8Map& map, const std::uint8
   const Reader r = reader(map);
   int j = 0;
   for (; j + kVector <= count; j += kVector) read64(r, codes + j, out + j);
-  for (; j < count; ++j) out[j] = map.code[codes[j]];
+  read_rest(map, codes, out, j, count);
 }
 
 void quantize_vbmi(const Quant8Map& map, const float* x, Normalizer n, std::uint8_t* codes, int count) {
   const int whole = count / kVector * kVector;
   map.is_signed ? quantize_whole<true>(map, x, n, codes, whole) : quantize_whole<false>(map, x, n, codes, whole);
-  for (int j = whole; j < count; ++j) codes[j] = static_cast<std::uint8_t>(quantize_lut(normalize(x[j], n), map.lut));
+  quantize_rest(map, x, n, codes, whole, count);
 }
 
 void read_moments_vbmi(const std::uint8_t* const (&codes)[3], float* const (&out)[3], int states, int count) {
